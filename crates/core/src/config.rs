@@ -1,0 +1,116 @@
+//! Typed policy configuration.
+//!
+//! A policy is named by the `policy` tag and configured by the fields of its own struct; an unknown policy name or
+//! an unknown field is an error, never a silent default. In TOML:
+//!
+//! ```toml
+//! [routing]
+//! policy = "prefix_match"
+//! max_tokens = 4096
+//! window_tokens = 256
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::{FollowBootstrapRoom, Policy, PrefixMatch, RoundRobin, TotalRequests, TotalTokens};
+use crate::prefix_key::PrefixWindow;
+
+/// Fields of a policy that has none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NoOptions {}
+
+/// One policy and its options.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case")]
+pub enum PolicyConfig {
+    RoundRobin(NoOptions),
+    FollowBootstrapRoom(NoOptions),
+    TotalRequests(NoOptions),
+    TotalTokens(NoOptions),
+    PrefixMatch(PrefixWindow),
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::RoundRobin(NoOptions {})
+    }
+}
+
+/// An unknown policy name, or options that do not fit the policy.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid policy config: {0}")]
+pub struct ConfigError(#[from] serde_json::Error);
+
+impl PolicyConfig {
+    /// Every policy name, in the order the docs list them.
+    pub const NAMES: &'static [&'static str] = &[
+        "round_robin",
+        "follow_bootstrap_room",
+        "total_requests",
+        "total_tokens",
+        "prefix_match",
+    ];
+
+    /// The named policy with default options.
+    pub fn from_name(name: &str) -> Result<Self, ConfigError> {
+        Ok(serde_json::from_value(serde_json::json!({ "policy": name }))?)
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyConfig::RoundRobin(_) => "round_robin",
+            PolicyConfig::FollowBootstrapRoom(_) => "follow_bootstrap_room",
+            PolicyConfig::TotalRequests(_) => "total_requests",
+            PolicyConfig::TotalTokens(_) => "total_tokens",
+            PolicyConfig::PrefixMatch(_) => "prefix_match",
+        }
+    }
+
+    /// A fresh policy instance (its own counters).
+    pub fn build(&self) -> Box<dyn Policy> {
+        match self {
+            PolicyConfig::RoundRobin(_) => Box::new(RoundRobin::default()),
+            PolicyConfig::FollowBootstrapRoom(_) => Box::new(FollowBootstrapRoom),
+            PolicyConfig::TotalRequests(_) => Box::new(TotalRequests),
+            PolicyConfig::TotalTokens(_) => Box::new(TotalTokens),
+            PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_name_builds_a_policy_of_that_name() {
+        for name in PolicyConfig::NAMES {
+            let config = PolicyConfig::from_name(name).unwrap();
+            assert_eq!(config.name(), *name);
+            assert_eq!(config.build().name(), *name);
+        }
+    }
+
+    #[test]
+    fn unknown_policy_is_an_error_naming_the_choices() {
+        let err = PolicyConfig::from_name("least_latency").unwrap_err().to_string();
+        assert!(err.contains("least_latency") && err.contains("prefix_match"), "{err}");
+    }
+
+    #[test]
+    fn options_are_typed_and_unknown_fields_rejected() {
+        let config: PolicyConfig = serde_json::from_str(r#"{"policy": "prefix_match", "max_tokens": 1024}"#).unwrap();
+        assert_eq!(
+            config,
+            PolicyConfig::PrefixMatch(PrefixWindow {
+                max_tokens: 1024,
+                ..PrefixWindow::default()
+            })
+        );
+        let err = serde_json::from_str::<PolicyConfig>(r#"{"policy": "prefix_match", "max_token": 1}"#);
+        assert!(err.unwrap_err().to_string().contains("max_token"));
+        let err = serde_json::from_str::<PolicyConfig>(r#"{"policy": "round_robin", "window_tokens": 1}"#);
+        assert!(err.is_err());
+    }
+}

@@ -1,0 +1,230 @@
+//! The one load model every policy reads.
+//!
+//! Per endpoint, two kinds of numbers:
+//!
+//! - **In flight** (requests, prompt tokens): every request the gateway dispatched to the endpoint and has not
+//!   finished. Changed only by a [`LoadGuard`], whose `Drop` releases the count exactly once on every path
+//!   (completion, upstream error, client disconnect, retry).
+//! - **The load view** SGLang's `DPBudget` keeps: the latest engine report (`num_reqs`, `num_tokens`) plus
+//!   *speculative* increments for each request a policy dispatched since that report. A report only replaces the
+//!   counters when its timestamp is newer than the last one applied, so speculative increments survive stale
+//!   re-reads; a fresh report zeroes them. Unlike SGLang, a speculative increment is also taken back when its
+//!   request finishes before the next report, so a gateway without engine reports sees its own in-flight load
+//!   instead of a count that only grows. Rank overrides are never counted speculatively (SGLang parity).
+//!
+//! All reads and updates are a few relaxed atomics: O(1) per endpoint, no locks on the routing path.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex};
+
+/// A load report published by one engine rank (SGLang `/get_load`, or the scheduler's own stats).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineReport {
+    /// Running plus waiting requests (`num_reqs`).
+    pub requests: u64,
+    /// Waiting requests alone (`num_waiting_reqs`).
+    pub waiting: u64,
+    /// Used KV tokens plus pending prompt tokens (`num_tokens`).
+    pub tokens: u64,
+    /// The engine's monotonically increasing report time (`ts_tic`), in any unit.
+    pub timestamp: u64,
+}
+
+/// What load-based policies compare: engine-reported load plus speculative increments since that report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadView {
+    pub requests: u64,
+    pub tokens: u64,
+}
+
+/// Shared load counters of one endpoint.
+#[derive(Debug, Default)]
+pub struct EndpointLoad {
+    in_flight_requests: AtomicU64,
+    in_flight_tokens: AtomicU64,
+    reported_requests: AtomicU64,
+    reported_tokens: AtomicU64,
+    speculative_requests: AtomicU64,
+    speculative_tokens: AtomicU64,
+    /// Incremented by every applied report; a guard only takes back speculation from its own epoch.
+    epoch: AtomicU64,
+    last_report: Mutex<Option<EngineReport>>,
+}
+
+impl EndpointLoad {
+    /// Requests dispatched to this endpoint and not yet finished (overrides included).
+    pub fn in_flight_requests(&self) -> u64 {
+        self.in_flight_requests.load(Relaxed)
+    }
+
+    /// Prompt tokens of the requests in flight.
+    pub fn in_flight_tokens(&self) -> u64 {
+        self.in_flight_tokens.load(Relaxed)
+    }
+
+    /// The view `total_requests` and `total_tokens` compare.
+    pub fn view(&self) -> LoadView {
+        LoadView {
+            requests: self.reported_requests.load(Relaxed) + self.speculative_requests.load(Relaxed),
+            tokens: self.reported_tokens.load(Relaxed) + self.speculative_tokens.load(Relaxed),
+        }
+    }
+
+    /// The last report applied, if any.
+    pub fn last_report(&self) -> Option<EngineReport> {
+        *self.last_report.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies an engine report if it is newer than the last one applied. Returns whether it was applied.
+    ///
+    /// Applying replaces the reported counters and zeroes the speculative increments (the report already
+    /// counts those requests). A report with the same or an older timestamp changes nothing.
+    pub fn apply_report(&self, report: EngineReport) -> bool {
+        let mut last = self.last_report.lock().unwrap_or_else(|e| e.into_inner());
+        if last.is_some_and(|prev| report.timestamp <= prev.timestamp) {
+            return false;
+        }
+        *last = Some(report);
+        self.reported_requests.store(report.requests, Relaxed);
+        self.reported_tokens.store(report.tokens, Relaxed);
+        self.speculative_requests.store(0, Relaxed);
+        self.speculative_tokens.store(0, Relaxed);
+        self.epoch.fetch_add(1, Relaxed);
+        true
+    }
+}
+
+/// Holds one request's share of an endpoint's load; dropping it releases that share exactly once.
+#[derive(Debug)]
+#[must_use = "dropping the guard releases the load at once"]
+pub struct LoadGuard {
+    load: Arc<EndpointLoad>,
+    tokens: u64,
+    /// The report epoch the speculative increment belongs to; `None` when not counted speculatively.
+    speculative_epoch: Option<u64>,
+}
+
+impl LoadGuard {
+    /// Counts one request of `tokens` prompt tokens in flight at `load`, and in the speculative view when
+    /// `speculative` (a policy's choice, not a client's rank override).
+    pub fn acquire(load: Arc<EndpointLoad>, tokens: u64, speculative: bool) -> Self {
+        load.in_flight_requests.fetch_add(1, Relaxed);
+        load.in_flight_tokens.fetch_add(tokens, Relaxed);
+        let speculative_epoch = speculative.then(|| {
+            load.speculative_requests.fetch_add(1, Relaxed);
+            load.speculative_tokens.fetch_add(tokens, Relaxed);
+            load.epoch.load(Relaxed)
+        });
+        Self {
+            load,
+            tokens,
+            speculative_epoch,
+        }
+    }
+
+    pub fn load(&self) -> &EndpointLoad {
+        &self.load
+    }
+}
+
+fn saturating_sub(counter: &AtomicU64, amount: u64) {
+    // `fetch_update` with a closure that never returns `None` cannot fail.
+    let _ = counter.fetch_update(Relaxed, Relaxed, |v| Some(v.saturating_sub(amount)));
+}
+
+impl Drop for LoadGuard {
+    fn drop(&mut self) {
+        saturating_sub(&self.load.in_flight_requests, 1);
+        saturating_sub(&self.load.in_flight_tokens, self.tokens);
+        // A report that arrived since dispatch already accounts for this request (or its completion).
+        if self.speculative_epoch == Some(self.load.epoch.load(Relaxed)) {
+            saturating_sub(&self.load.speculative_requests, 1);
+            saturating_sub(&self.load.speculative_tokens, self.tokens);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(requests: u64, tokens: u64, timestamp: u64) -> EngineReport {
+        EngineReport {
+            requests,
+            waiting: 0,
+            tokens,
+            timestamp,
+        }
+    }
+
+    #[test]
+    fn guard_releases_in_flight_exactly_once() {
+        let load = Arc::new(EndpointLoad::default());
+        let a = LoadGuard::acquire(load.clone(), 100, true);
+        let b = LoadGuard::acquire(load.clone(), 50, false);
+        assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (2, 150));
+        assert_eq!(
+            load.view(),
+            LoadView {
+                requests: 1,
+                tokens: 100
+            }
+        );
+        drop(a);
+        assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (1, 50));
+        assert_eq!(load.view(), LoadView::default());
+        drop(b);
+        assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (0, 0));
+    }
+
+    #[test]
+    fn fresh_report_replaces_speculation_and_stale_report_keeps_it() {
+        let load = Arc::new(EndpointLoad::default());
+        assert!(load.apply_report(report(3, 300, 10)));
+        let _g = LoadGuard::acquire(load.clone(), 7, true);
+        assert_eq!(
+            load.view(),
+            LoadView {
+                requests: 4,
+                tokens: 307
+            }
+        );
+        // Same timestamp: a stale re-read, ignored; the speculative count survives.
+        assert!(!load.apply_report(report(0, 0, 10)));
+        assert!(!load.apply_report(report(0, 0, 9)));
+        assert_eq!(
+            load.view(),
+            LoadView {
+                requests: 4,
+                tokens: 307
+            }
+        );
+        // Newer: replaces everything.
+        assert!(load.apply_report(report(5, 500, 11)));
+        assert_eq!(
+            load.view(),
+            LoadView {
+                requests: 5,
+                tokens: 500
+            }
+        );
+        assert_eq!(load.last_report(), Some(report(5, 500, 11)));
+    }
+
+    #[test]
+    fn completion_after_a_report_does_not_take_back_newer_speculation() {
+        let load = Arc::new(EndpointLoad::default());
+        let old = LoadGuard::acquire(load.clone(), 10, true);
+        assert!(load.apply_report(report(1, 10, 1)));
+        let _new = LoadGuard::acquire(load.clone(), 20, true);
+        drop(old);
+        assert_eq!(
+            load.view(),
+            LoadView {
+                requests: 2,
+                tokens: 30
+            }
+        );
+        assert_eq!(load.in_flight_requests(), 1);
+    }
+}

@@ -1,0 +1,346 @@
+//! Prompt extraction shared by every front end: one request body (OpenAI chat or completions, SGLang `/generate`)
+//! to a [`RouteRequest`].
+//!
+//! The prompt is taken from the first field present, in this order:
+//!
+//! 1. `input_ids`: token ids, used as given.
+//! 2. `text` (SGLang) or `prompt` (OpenAI completions): the UTF-8 bytes of the string. A completions `prompt` that
+//!    is an array of token ids is used as token ids; a one-element array of strings as that string.
+//! 3. `messages` (OpenAI chat): the bytes of the canonical rendering below.
+//!
+//! Batches (several prompts in one request) are rejected: a router places one request on one rank.
+//!
+//! ## Canonical chat rendering
+//!
+//! The router never tokenizes; it keys on bytes that grow the way the engine's token sequence grows:
+//!
+//! ```text
+//! if tools is a non-empty array:  "<|tools|>\n" + json(tools) + "\n"
+//! for each message, in order:     "<|" + role + "|>\n" + content + extras + "\n"
+//!   content: a string as is; an array of parts: each `text` part's text, any other part as json(part),
+//!            joined with "\n"; absent or null: nothing
+//!   extras:  if the message has fields besides role and content (name, tool_calls, tool_call_id, …):
+//!            "\n" + json(those fields as one object)
+//! ```
+//!
+//! `json` is compact JSON with object keys sorted. Each message renders on its own, so the rendering of a
+//! conversation is a prefix of the rendering of any continuation of it (same tools, more messages): a later turn's
+//! key extends an earlier turn's. The whole conversation counts, not only its first or last message.
+//!
+//! Rank override: `routed_dp_rank`, or the deprecated `data_parallel_rank` when `routed_dp_rank` is absent or null.
+//! Cost: linear in the request size.
+
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use crate::request::{Prompt, RouteRequest};
+
+/// Why a request body could not be turned into a [`RouteRequest`]. Always the client's fault (HTTP 400).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PromptError {
+    #[error("the request body must be a JSON object")]
+    NotAnObject,
+    #[error("`{field}` must be {expected}")]
+    Field {
+        field: &'static str,
+        expected: &'static str,
+    },
+    #[error("`{0}` holds several prompts; batched requests are not supported, send one prompt per request")]
+    Batch(&'static str),
+    #[error("the request has no prompt: expected one of `input_ids`, `text`, `prompt` or `messages`")]
+    NoPrompt,
+}
+
+/// Parses one request body.
+pub fn parse_request(body: &Value) -> Result<RouteRequest, PromptError> {
+    let obj = body.as_object().ok_or(PromptError::NotAnObject)?;
+    let prompt = extract_prompt(obj)?;
+    let mut req = RouteRequest::new(prompt);
+    req.rank_override = rank_override(obj)?;
+    req.bootstrap_room = match present(obj, "bootstrap_room") {
+        None => None,
+        Some(v) => Some(v.as_u64().ok_or(PromptError::Field {
+            field: "bootstrap_room",
+            expected: "a non-negative integer",
+        })?),
+    };
+    Ok(req)
+}
+
+/// A field that is present and not `null`.
+fn present<'a>(obj: &'a Map<String, Value>, field: &str) -> Option<&'a Value> {
+    obj.get(field).filter(|v| !v.is_null())
+}
+
+fn rank_override(obj: &Map<String, Value>) -> Result<Option<i64>, PromptError> {
+    for field in ["routed_dp_rank", "data_parallel_rank"] {
+        if let Some(v) = present(obj, field) {
+            return v.as_i64().map(Some).ok_or(PromptError::Field {
+                field,
+                expected: "an integer",
+            });
+        }
+    }
+    Ok(None)
+}
+
+fn extract_prompt(obj: &Map<String, Value>) -> Result<Prompt, PromptError> {
+    if let Some(ids) = present(obj, "input_ids") {
+        return token_ids(ids, "input_ids");
+    }
+    if let Some(text) = present(obj, "text") {
+        return single_string(text, "text");
+    }
+    if let Some(prompt) = present(obj, "prompt") {
+        return match prompt {
+            Value::Array(items) if items.first().is_some_and(Value::is_number) => token_ids(prompt, "prompt"),
+            _ => single_string(prompt, "prompt"),
+        };
+    }
+    if let Some(messages) = present(obj, "messages") {
+        return render_chat(present(obj, "tools"), messages).map(Prompt::Bytes);
+    }
+    Err(PromptError::NoPrompt)
+}
+
+fn token_ids(value: &Value, field: &'static str) -> Result<Prompt, PromptError> {
+    let items = value.as_array().ok_or(PromptError::Field {
+        field,
+        expected: "an array of token ids",
+    })?;
+    if items.first().is_some_and(Value::is_array) {
+        return Err(PromptError::Batch(field));
+    }
+    items
+        .iter()
+        .map(|v| v.as_u64().and_then(|id| u32::try_from(id).ok()))
+        .collect::<Option<Vec<u32>>>()
+        .map(Prompt::Tokens)
+        .ok_or(PromptError::Field {
+            field,
+            expected: "an array of token ids (integers in 0..2^32)",
+        })
+}
+
+fn single_string(value: &Value, field: &'static str) -> Result<Prompt, PromptError> {
+    match value {
+        Value::String(s) => Ok(Prompt::Bytes(s.as_bytes().to_vec())),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => single_string(&items[0], field),
+        Value::Array(_) => Err(PromptError::Batch(field)),
+        _ => Err(PromptError::Field {
+            field,
+            expected: "a string",
+        }),
+    }
+}
+
+/// Renders a chat conversation as described in the module docs.
+pub fn render_chat(tools: Option<&Value>, messages: &Value) -> Result<Vec<u8>, PromptError> {
+    let messages = messages.as_array().ok_or(PromptError::Field {
+        field: "messages",
+        expected: "an array of messages",
+    })?;
+    let mut out = String::new();
+    if let Some(tools) = tools {
+        let list = tools.as_array().ok_or(PromptError::Field {
+            field: "tools",
+            expected: "an array",
+        })?;
+        if !list.is_empty() {
+            out.push_str("<|tools|>\n");
+            out.push_str(&tools.to_string());
+            out.push('\n');
+        }
+    }
+    for message in messages {
+        render_message(message, &mut out)?;
+    }
+    Ok(out.into_bytes())
+}
+
+fn render_message(message: &Value, out: &mut String) -> Result<(), PromptError> {
+    let bad = PromptError::Field {
+        field: "messages",
+        expected: "an array of objects, each with a string `role`",
+    };
+    let obj = message.as_object().ok_or(bad.clone())?;
+    let role = obj.get("role").and_then(Value::as_str).ok_or(bad)?;
+    out.push_str("<|");
+    out.push_str(role);
+    out.push_str("|>\n");
+    match obj.get("content") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => out.push_str(s),
+        Some(Value::Array(parts)) => {
+            for (i, part) in parts.iter().enumerate() {
+                if i > 0 {
+                    out.push('\n');
+                }
+                match part.get("text").and_then(Value::as_str) {
+                    Some(text) if part.get("type").and_then(Value::as_str) == Some("text") => out.push_str(text),
+                    _ => out.push_str(&part.to_string()),
+                }
+            }
+        }
+        Some(_) => {
+            return Err(PromptError::Field {
+                field: "messages[].content",
+                expected: "a string, an array of content parts, or null",
+            })
+        }
+    }
+    let extras: Map<String, Value> = obj
+        .iter()
+        .filter(|(k, _)| *k != "role" && *k != "content")
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if !extras.is_empty() {
+        out.push('\n');
+        out.push_str(&Value::Object(extras).to_string());
+    }
+    out.push('\n');
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn bytes(req: &RouteRequest) -> String {
+        match &req.prompt {
+            Prompt::Bytes(b) => String::from_utf8(b.clone()).unwrap(),
+            Prompt::Tokens(t) => panic!("expected bytes, got tokens {t:?}"),
+        }
+    }
+
+    #[test]
+    fn input_ids_win_over_text() {
+        let req = parse_request(&json!({"input_ids": [1, 2, 3], "text": "ignored"})).unwrap();
+        assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(req.input_tokens, 3);
+    }
+
+    #[test]
+    fn text_and_prompt_are_taken_as_given() {
+        assert_eq!(bytes(&parse_request(&json!({"text": "héllo"})).unwrap()), "héllo");
+        assert_eq!(bytes(&parse_request(&json!({"prompt": "abc"})).unwrap()), "abc");
+        assert_eq!(bytes(&parse_request(&json!({"prompt": ["abc"]})).unwrap()), "abc");
+        let ids = parse_request(&json!({"prompt": [5, 6]})).unwrap();
+        assert_eq!(ids.prompt, Prompt::Tokens(vec![5, 6]));
+    }
+
+    #[test]
+    fn chat_renders_tools_then_every_message() {
+        let body = json!({
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "messages": [
+                {"role": "system", "content": "sys"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "1"}]},
+            ]
+        });
+        let expected = "<|tools|>\n[{\"function\":{\"name\":\"f\"},\"type\":\"function\"}]\n\
+                        <|system|>\nsys\n\
+                        <|user|>\na\nb\n\
+                        <|assistant|>\n\n{\"tool_calls\":[{\"id\":\"1\"}]}\n";
+        assert_eq!(bytes(&parse_request(&body).unwrap()), expected);
+    }
+
+    #[test]
+    fn a_later_turn_extends_the_earlier_rendering() {
+        let turn1 = json!({"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "q1"}]});
+        let turn2 = json!({"messages": [
+            {"role": "system", "content": "S"}, {"role": "user", "content": "q1"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}
+        ]});
+        let (a, b) = (
+            bytes(&parse_request(&turn1).unwrap()),
+            bytes(&parse_request(&turn2).unwrap()),
+        );
+        assert!(b.starts_with(&a) && b.len() > a.len(), "{a:?} / {b:?}");
+    }
+
+    #[test]
+    fn override_and_room_are_read() {
+        let req = parse_request(&json!({"text": "x", "routed_dp_rank": 3, "bootstrap_room": 42})).unwrap();
+        assert_eq!((req.rank_override, req.bootstrap_room), (Some(3), Some(42)));
+        let old = parse_request(&json!({"text": "x", "data_parallel_rank": 1})).unwrap();
+        assert_eq!(old.rank_override, Some(1));
+        let both = parse_request(&json!({"text": "x", "routed_dp_rank": 2, "data_parallel_rank": 1})).unwrap();
+        assert_eq!(both.rank_override, Some(2));
+        let null = parse_request(&json!({"text": "x", "routed_dp_rank": null, "data_parallel_rank": 1})).unwrap();
+        assert_eq!(null.rank_override, Some(1));
+        let negative = parse_request(&json!({"text": "x", "routed_dp_rank": -1})).unwrap();
+        assert_eq!(negative.rank_override, Some(-1));
+    }
+
+    #[test]
+    fn bad_input_gives_a_clear_error() {
+        let cases = [
+            (json!([1, 2]), PromptError::NotAnObject),
+            (json!({}), PromptError::NoPrompt),
+            (json!({"input_ids": [[1], [2]]}), PromptError::Batch("input_ids")),
+            (json!({"text": ["a", "b"]}), PromptError::Batch("text")),
+            (
+                json!({"input_ids": [-1]}),
+                PromptError::Field {
+                    field: "input_ids",
+                    expected: "an array of token ids (integers in 0..2^32)",
+                },
+            ),
+            (
+                json!({"input_ids": [4294967296u64]}),
+                PromptError::Field {
+                    field: "input_ids",
+                    expected: "an array of token ids (integers in 0..2^32)",
+                },
+            ),
+            (
+                json!({"text": 5}),
+                PromptError::Field {
+                    field: "text",
+                    expected: "a string",
+                },
+            ),
+            (
+                json!({"text": "x", "routed_dp_rank": "2"}),
+                PromptError::Field {
+                    field: "routed_dp_rank",
+                    expected: "an integer",
+                },
+            ),
+            (
+                json!({"text": "x", "routed_dp_rank": 1.5}),
+                PromptError::Field {
+                    field: "routed_dp_rank",
+                    expected: "an integer",
+                },
+            ),
+            (
+                json!({"text": "x", "bootstrap_room": -3}),
+                PromptError::Field {
+                    field: "bootstrap_room",
+                    expected: "a non-negative integer",
+                },
+            ),
+            (
+                json!({"messages": "hi"}),
+                PromptError::Field {
+                    field: "messages",
+                    expected: "an array of messages",
+                },
+            ),
+            (
+                json!({"messages": [{"content": "x"}]}),
+                PromptError::Field {
+                    field: "messages",
+                    expected: "an array of objects, each with a string `role`",
+                },
+            ),
+        ];
+        for (body, expected) in cases {
+            assert_eq!(parse_request(&body), Err(expected), "{body}");
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! What a policy knows about one request.
+
+/// The prompt a policy keys on: token ids when the client sent them, otherwise the prompt's UTF-8 bytes (the
+/// router never tokenizes; see [`crate::prompt`] for how chat conversations are rendered to bytes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    Tokens(Vec<u32>),
+    Bytes(Vec<u8>),
+}
+
+impl Prompt {
+    /// Number of units (tokens or bytes).
+    pub fn len(&self) -> usize {
+        match self {
+            Prompt::Tokens(t) => t.len(),
+            Prompt::Bytes(b) => b.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Estimated prompt length in tokens: exact for token ids, `ceil(bytes / 4)` for text.
+    pub fn estimated_tokens(&self) -> u64 {
+        match self {
+            Prompt::Tokens(t) => t.len() as u64,
+            Prompt::Bytes(b) => (b.len() as u64).div_ceil(BYTES_PER_TOKEN),
+        }
+    }
+}
+
+/// The bytes-per-token ratio used to estimate a text prompt's token count.
+pub const BYTES_PER_TOKEN: u64 = 4;
+
+/// Everything routing needs from one request, parsed once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteRequest {
+    pub prompt: Prompt,
+    /// Prompt length in tokens (exact or estimated), for token-based load.
+    pub input_tokens: u64,
+    /// A client's rank override (`routed_dp_rank`, `data_parallel_rank`, `X-Data-Parallel-Rank`), unvalidated.
+    pub rank_override: Option<i64>,
+    /// SGLang's PD-disaggregation `bootstrap_room`.
+    pub bootstrap_room: Option<u64>,
+}
+
+impl RouteRequest {
+    /// A request with no override and no bootstrap room.
+    pub fn new(prompt: Prompt) -> Self {
+        Self {
+            input_tokens: prompt.estimated_tokens(),
+            prompt,
+            rank_override: None,
+            bootstrap_room: None,
+        }
+    }
+
+    pub fn tokens(ids: Vec<u32>) -> Self {
+        Self::new(Prompt::Tokens(ids))
+    }
+
+    pub fn text(text: &str) -> Self {
+        Self::new(Prompt::Bytes(text.as_bytes().to_vec()))
+    }
+
+    pub fn with_override(mut self, rank: i64) -> Self {
+        self.rank_override = Some(rank);
+        self
+    }
+
+    pub fn with_bootstrap_room(mut self, room: u64) -> Self {
+        self.bootstrap_room = Some(room);
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_estimate_is_exact_for_ids_and_rounds_up_for_bytes() {
+        assert_eq!(RouteRequest::tokens(vec![1, 2, 3]).input_tokens, 3);
+        assert_eq!(RouteRequest::text("abcde").input_tokens, 2);
+        assert_eq!(RouteRequest::text("").input_tokens, 0);
+    }
+}

@@ -1,0 +1,32 @@
+//! The `dprouter` binary: one subcommand per job, each in its own module.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod route;
+
+/// dprouter: a cache-aware data-parallel load balancer for LLM serving.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Route JSON Lines requests offline and print one decision per line.
+    Route(route::RouteArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Route(args) => route::run(args),
+    };
+    result.unwrap_or_else(|err| {
+        eprintln!("dprouter: {err:#}");
+        ExitCode::FAILURE
+    })
+}
