@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod route;
+mod simulate;
 
 /// dprouter: a cache-aware data-parallel load balancer for LLM serving.
 #[derive(Debug, Parser)]
@@ -18,12 +19,15 @@ struct Cli {
 enum Command {
     /// Route JSON Lines requests offline and print one decision per line.
     Route(route::RouteArgs),
+    /// Compare policies on a workload over simulated DP ranks, in virtual time.
+    Simulate(simulate::SimulateArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Route(args) => route::run(args),
+        Command::Simulate(args) => simulate::run(args),
     };
     result.unwrap_or_else(|err| {
         eprintln!("dprouter: {err:#}");

@@ -29,7 +29,7 @@ pub struct RouteArgs {
     input: Option<PathBuf>,
 }
 
-fn parse_policy(name: &str) -> Result<PolicyConfig, String> {
+pub fn parse_policy(name: &str) -> Result<PolicyConfig, String> {
     PolicyConfig::from_name(name).map_err(|_| {
         format!(
             "unknown policy `{name}`; expected one of: {}",

@@ -1,0 +1,16 @@
+//! dprouter's engine simulator: DP ranks with radix caches and a cost model, run in virtual time.
+//!
+//! The same [`dprouter_core`] policies the gateway runs route a [`workload::Workload`] onto simulated ranks
+//! ([`simulator::simulate`]); [`report::Summary`] condenses the outcome per policy. No I/O except reading traces.
+
+pub mod cost;
+pub mod radix;
+pub mod report;
+pub mod simulator;
+pub mod tokens;
+pub mod workload;
+
+pub use cost::{CostModel, Micros};
+pub use report::Summary;
+pub use simulator::{simulate, RequestRecord, SimConfig, SimOutcome};
+pub use workload::{SimRequest, Workload, WorkloadError, WorkloadSpec};

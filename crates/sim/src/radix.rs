@@ -1,0 +1,737 @@
+//! A model of one SGLang data-parallel rank's prefix cache (SGLang's `RadixCache`) over token ids.
+//!
+//! # What is modelled
+//! - Matches are page-aligned and the last prompt token is always recomputed, so a match is capped at
+//!   `tokens.len() - 1` and rounded down to a multiple of the page size.
+//! - Inserts cache whole pages only; every label in the tree is a multiple of the page size long.
+//! - Eviction is LRU over unreferenced leaves. Unlike SGLang, which frees whole leaf nodes, this model cuts exactly as
+//!   many tokens (rounded up to a page) off the end of the least recently used leaf as are needed, so the capacity is
+//!   exact. Locked paths (requests in flight) are never evicted, so locks may keep `size()` above the capacity.
+//!
+//! # Algorithm
+//! A radix tree with compressed edges: each node holds a `Vec<u32>` label. Nodes live in a slab `Vec` with a free
+//! list and refer to each other by index; children are found through a `HashMap` keyed on the first page of the
+//! child's label. A logical clock advances once per `match_prefix`/`insert`; every node on the touched path gets the
+//! new tick (a match that ends inside an edge first splits it, so all tokens of a node share one tick). The
+//! unreferenced leaves are kept incrementally in a `BTreeSet<(tick, node)>`, so the LRU leaf is found in O(log n).
+//! Splitting keeps the original node id for the lower part, so a [`LockId`], which names the node where its path
+//! ends, stays valid.
+//!
+//! # Cost per operation
+//! With `L` the prompt length, `d` the depth of the path and `n` the number of nodes:
+//! - `match_prefix`, `insert`, `lock`: O(L) token comparisons (slice compares) plus O(d) hash look-ups, plus
+//!   O(log n) for the one leaf whose position in the LRU set changes; `insert` also copies the new tokens.
+//! - eviction: O(log n) per leaf truncated or removed; `unlock`: O(d); the accessors are O(1).
+//! - memory: O(cached tokens + n).
+
+use std::collections::{BTreeSet, HashMap};
+
+const ROOT: usize = 0;
+
+/// Opaque handle of one lock taken with [`RadixCache::lock`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LockId(u64);
+
+#[derive(Debug, Default)]
+struct Node {
+    label: Vec<u32>,
+    parent: usize,
+    /// Keyed on the first page of the child's label.
+    children: HashMap<Box<[u32]>, usize>,
+    /// Number of live locks whose path passes through this node.
+    lock_ref: u32,
+    tick: u64,
+}
+
+/// One data-parallel rank's prefix cache; see the module documentation.
+#[derive(Debug)]
+pub struct RadixCache {
+    nodes: Vec<Node>,
+    free: Vec<usize>,
+    /// Exactly the nodes that are evictable (not the root, no children, lock_ref 0), keyed by (tick, id).
+    evictable: BTreeSet<(u64, usize)>,
+    /// Live locks and the node where each one's path ends.
+    locks: HashMap<u64, usize>,
+    next_lock: u64,
+    clock: u64,
+    page: usize,
+    capacity: usize,
+    size: usize,
+    locked_size: usize,
+    live_nodes: usize,
+}
+
+/// Length of the common prefix of `a` and `b`.
+fn common_len(a: &[u32], b: &[u32]) -> usize {
+    const CHUNK: usize = 32;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + CHUNK <= n && a[i..i + CHUNK] == b[i..i + CHUNK] {
+        i += CHUNK;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+impl RadixCache {
+    /// `page_size >= 1` (0 is treated as 1). Capacity in tokens.
+    pub fn new(capacity_tokens: usize, page_size: usize) -> Self {
+        Self {
+            nodes: vec![Node::default()],
+            free: Vec::new(),
+            evictable: BTreeSet::new(),
+            locks: HashMap::new(),
+            next_lock: 0,
+            clock: 0,
+            page: page_size.max(1),
+            capacity: capacity_tokens,
+            size: 0,
+            locked_size: 0,
+            live_nodes: 0,
+        }
+    }
+
+    /// Length of the longest cached prefix of `tokens`, capped at `tokens.len() - 1` (at least the last prompt token
+    /// is always recomputed; 0 for an empty prompt) and rounded down to a multiple of the page size. Marks every node
+    /// on the matched path as used now (one clock tick per call). A match ending inside an edge splits it there.
+    pub fn match_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.clock += 1;
+        let Some(last) = tokens.len().checked_sub(1) else {
+            return 0;
+        };
+        let (node, len) = self.descend(&tokens[..self.floor(last)]);
+        self.touch_path(node, self.clock);
+        len
+    }
+
+    /// Length of the longest cached prefix of `tokens` in whole pages, without the last-token cap and without
+    /// touching anything (a read-only peek, e.g. for a router oracle).
+    pub fn cached_prefix_len(&self, tokens: &[u32]) -> usize {
+        let (_, pos, partial) = self.walk(tokens);
+        pos + partial.map_or(0, |(_, common)| common)
+    }
+
+    /// Inserts `tokens[..len - len % page_size]`, marking the whole path used now (one tick), then evicts until
+    /// `size() <= capacity()` or nothing unlocked is left. Returns how many of the inserted tokens were already cached.
+    pub fn insert(&mut self, tokens: &[u32]) -> usize {
+        self.clock += 1;
+        let tokens = &tokens[..self.floor(tokens.len())];
+        let (mut node, matched) = self.descend(tokens);
+        if matched < tokens.len() {
+            let rest = &tokens[matched..];
+            if node != ROOT && self.nodes[node].children.is_empty() && self.nodes[node].lock_ref == 0 {
+                // Grow an unreferenced leaf in place (multi-turn chats stay one node): no lock ends there, and all
+                // its tokens get this call's tick below either way.
+                self.nodes[node].label.extend_from_slice(rest);
+            } else {
+                node = self.add_child(node, rest);
+            }
+            self.size += rest.len();
+        }
+        self.touch_path(node, self.clock);
+        self.evict_to(self.capacity);
+        matched
+    }
+
+    /// Pins the cached prefix `tokens[..len]` against eviction (`len` is clipped to the cached prefix length and
+    /// rounded down to a page multiple; an edge is split if `len` ends inside it). Does not change LRU ticks. Locks
+    /// nest (reference counts).
+    pub fn lock(&mut self, tokens: &[u32], len: usize) -> LockId {
+        let len = self.floor(len.min(tokens.len()));
+        let (end, _) = self.descend(&tokens[..len]);
+        let mut id = end;
+        while id != ROOT {
+            self.unlist(id);
+            let node = &mut self.nodes[id];
+            node.lock_ref += 1;
+            if node.lock_ref == 1 {
+                self.locked_size += node.label.len();
+            }
+            id = node.parent;
+        }
+        self.next_lock += 1;
+        self.locks.insert(self.next_lock, end);
+        LockId(self.next_lock)
+    }
+
+    /// Releases one lock; then evicts if `size() > capacity()` (locked tokens may have kept it above). Releasing an
+    /// unknown or already released lock is a no-op (and a debug assertion failure).
+    pub fn unlock(&mut self, lock: LockId) {
+        let end = self.locks.remove(&lock.0);
+        debug_assert!(end.is_some(), "unlock of an unknown or already released {lock:?}");
+        let Some(mut id) = end else {
+            return;
+        };
+        while id != ROOT {
+            let node = &mut self.nodes[id];
+            node.lock_ref -= 1;
+            let parent = node.parent;
+            if node.lock_ref == 0 {
+                self.locked_size -= node.label.len();
+                self.relist(id);
+            }
+            id = parent;
+        }
+        self.evict_to(self.capacity);
+    }
+
+    /// Evicts every unlocked token (SGLang's `flush_cache`).
+    pub fn flush(&mut self) {
+        self.evict_to(0);
+    }
+
+    /// Changes the capacity, evicting down to it at once (as far as locks allow).
+    pub fn set_capacity(&mut self, capacity_tokens: usize) {
+        self.capacity = capacity_tokens;
+        self.evict_to(capacity_tokens);
+    }
+
+    /// Cached tokens.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Capacity in tokens.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Page size in tokens (at least 1).
+    pub fn page_size(&self) -> usize {
+        self.page
+    }
+
+    /// Tokens on at least one locked path.
+    pub fn locked_size(&self) -> usize {
+        self.locked_size
+    }
+
+    /// Live nodes excluding the root (for memory reporting).
+    pub fn node_count(&self) -> usize {
+        self.live_nodes
+    }
+
+    fn floor(&self, n: usize) -> usize {
+        n - n % self.page
+    }
+
+    /// Walks down from the root along `tokens` in whole pages. Returns the deepest node whose label was fully
+    /// matched, the matched length up to its end, and, if the match goes on part-way into a child's label, that child
+    /// and the (page-aligned, non-zero) number of its tokens matched.
+    fn walk(&self, tokens: &[u32]) -> (usize, usize, Option<(usize, usize)>) {
+        let (mut node, mut pos) = (ROOT, 0);
+        while pos + self.page <= tokens.len() {
+            let rest = &tokens[pos..];
+            let Some(&child) = self.nodes[node].children.get(&rest[..self.page]) else {
+                break;
+            };
+            let label = &self.nodes[child].label;
+            let common = self.floor(common_len(label, rest));
+            if common < label.len() {
+                return (node, pos, Some((child, common)));
+            }
+            node = child;
+            pos += common;
+        }
+        (node, pos, None)
+    }
+
+    /// Like [`Self::walk`], but splits a part-way matched edge so the returned node ends exactly at the match.
+    fn descend(&mut self, tokens: &[u32]) -> (usize, usize) {
+        match self.walk(tokens) {
+            (_, pos, Some((child, common))) => (self.split(child, common), pos + common),
+            (node, pos, None) => (node, pos),
+        }
+    }
+
+    /// Splits `id`'s label after `at` tokens: a new node takes the upper part and becomes `id`'s parent, copying its
+    /// lock count and tick; `id` keeps the lower part. Returns the new node.
+    fn split(&mut self, id: usize, at: usize) -> usize {
+        let upper = self.alloc();
+        let node = &mut self.nodes[id];
+        let lower_label = node.label.split_off(at);
+        let label = std::mem::replace(&mut node.label, lower_label);
+        let (parent, lock_ref, tick) = (node.parent, node.lock_ref, node.tick);
+        node.parent = upper;
+        let lower_key: Box<[u32]> = node.label[..self.page].into();
+        if let Some(slot) = self.nodes[parent].children.get_mut(&label[..self.page]) {
+            *slot = upper;
+        }
+        self.nodes[upper] = Node {
+            label,
+            parent,
+            children: HashMap::from([(lower_key, id)]),
+            lock_ref,
+            tick,
+        };
+        upper
+    }
+
+    /// Adds a new unlocked leaf holding `label` under `parent`, with the current tick.
+    fn add_child(&mut self, parent: usize, label: &[u32]) -> usize {
+        let id = self.alloc();
+        self.unlist(parent);
+        self.nodes[parent].children.insert(label[..self.page].into(), id);
+        self.nodes[id] = Node {
+            label: label.to_vec(),
+            parent,
+            children: HashMap::new(),
+            lock_ref: 0,
+            tick: self.clock,
+        };
+        self.relist(id);
+        id
+    }
+
+    fn alloc(&mut self) -> usize {
+        self.live_nodes += 1;
+        self.free.pop().unwrap_or_else(|| {
+            self.nodes.push(Node::default());
+            self.nodes.len() - 1
+        })
+    }
+
+    fn is_evictable(&self, id: usize) -> bool {
+        let node = &self.nodes[id];
+        id != ROOT && node.children.is_empty() && node.lock_ref == 0
+    }
+
+    /// Takes `id` out of the LRU set before a change to its tick, children or lock count.
+    fn unlist(&mut self, id: usize) {
+        if self.is_evictable(id) {
+            self.evictable.remove(&(self.nodes[id].tick, id));
+        }
+    }
+
+    /// Puts `id` back into the LRU set after such a change, if it is evictable.
+    fn relist(&mut self, id: usize) {
+        if self.is_evictable(id) {
+            self.evictable.insert((self.nodes[id].tick, id));
+        }
+    }
+
+    /// Sets the tick of every node from `id` up to the root.
+    fn touch_path(&mut self, mut id: usize, tick: u64) {
+        while id != ROOT {
+            self.unlist(id);
+            self.nodes[id].tick = tick;
+            self.relist(id);
+            id = self.nodes[id].parent;
+        }
+    }
+
+    /// Cuts tokens off the least recently used unlocked leaves until `size <= target` or nothing unlocked is left.
+    fn evict_to(&mut self, target: usize) {
+        while self.size > target {
+            let Some(&(tick, id)) = self.evictable.first() else {
+                break;
+            };
+            let excess = (self.size - target).div_ceil(self.page) * self.page;
+            let len = self.nodes[id].label.len();
+            if excess < len {
+                let label = &mut self.nodes[id].label;
+                label.truncate(len - excess);
+                if label.capacity() > 2 * label.len() {
+                    label.shrink_to_fit();
+                }
+                self.size -= excess;
+            } else {
+                self.evictable.remove(&(tick, id));
+                let node = std::mem::take(&mut self.nodes[id]);
+                self.nodes[node.parent].children.remove(&node.label[..self.page]);
+                self.size -= len;
+                self.live_nodes -= 1;
+                self.free.push(id);
+                self.relist(node.parent);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    impl RadixCache {
+        /// Every cached page-aligned prefix, mapped to the tick of the node holding its last page.
+        fn snapshot(&self) -> BTreeMap<Vec<u32>, u64> {
+            let mut out = BTreeMap::new();
+            let mut stack = vec![(ROOT, Vec::new())];
+            while let Some((id, prefix)) = stack.pop() {
+                for &child in self.nodes[id].children.values() {
+                    let mut path = prefix.clone();
+                    for page in self.nodes[child].label.chunks(self.page) {
+                        path.extend_from_slice(page);
+                        out.insert(path.clone(), self.nodes[child].tick);
+                    }
+                    stack.push((child, path));
+                }
+            }
+            out
+        }
+
+        /// Recomputes all incrementally kept state from scratch and compares.
+        fn check_invariants(&self) {
+            let mut lock_refs = vec![0u32; self.nodes.len()];
+            for &end in self.locks.values() {
+                let mut id = end;
+                while id != ROOT {
+                    lock_refs[id] += 1;
+                    id = self.nodes[id].parent;
+                }
+            }
+            let (mut size, mut locked, mut live, mut evictable) = (0, 0, 0, BTreeSet::new());
+            let mut stack = vec![ROOT];
+            while let Some(id) = stack.pop() {
+                let node = &self.nodes[id];
+                if id != ROOT {
+                    live += 1;
+                    size += node.label.len();
+                    assert!(
+                        !node.label.is_empty() && node.label.len() % self.page == 0,
+                        "label {:?}",
+                        node.label
+                    );
+                    assert_eq!(node.lock_ref, lock_refs[id], "lock ref of {id}");
+                    if node.lock_ref > 0 {
+                        locked += node.label.len();
+                    }
+                }
+                if self.is_evictable(id) {
+                    evictable.insert((node.tick, id));
+                }
+                for (key, &child) in &node.children {
+                    assert_eq!(self.nodes[child].parent, id);
+                    assert_eq!(**key, self.nodes[child].label[..self.page]);
+                    assert!(
+                        id == ROOT || node.tick >= self.nodes[child].tick,
+                        "parent older than child"
+                    );
+                    stack.push(child);
+                }
+            }
+            assert_eq!((size, locked, live), (self.size, self.locked_size, self.live_nodes));
+            assert_eq!(evictable, self.evictable);
+            assert_eq!(live + 1 + self.free.len(), self.nodes.len());
+        }
+    }
+
+    #[test]
+    fn match_after_insert() {
+        let mut c = RadixCache::new(100, 1);
+        assert_eq!(c.match_prefix(&[1, 2, 3, 4]), 0);
+        assert_eq!(c.insert(&[1, 2, 3, 4]), 0);
+        assert_eq!(c.match_prefix(&[1, 2, 3, 4, 5, 6]), 4);
+        assert_eq!(c.match_prefix(&[1, 2, 9]), 2);
+        assert_eq!(c.match_prefix(&[9, 1, 2]), 0);
+        assert_eq!(c.match_prefix(&[]), 0);
+        assert_eq!(c.insert(&[1, 2, 3, 4]), 4);
+        assert_eq!(c.size(), 4);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn last_token_is_always_recomputed() {
+        let mut c = RadixCache::new(100, 1);
+        c.insert(&[1, 2, 3]);
+        assert_eq!(c.match_prefix(&[1, 2, 3]), 2);
+        assert_eq!(c.match_prefix(&[1, 2, 3, 4]), 3);
+        assert_eq!(c.match_prefix(&[1]), 0);
+        assert_eq!(c.cached_prefix_len(&[1, 2, 3]), 3);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn page_alignment() {
+        let mut c = RadixCache::new(100, 4);
+        let a: Vec<u32> = (0..10).collect();
+        assert_eq!(c.insert(&a), 0);
+        assert_eq!(c.size(), 8);
+        assert_eq!(c.match_prefix(&a), 8);
+        assert_eq!(c.match_prefix(&a[..8]), 4); // capped at 7, rounded down
+        assert_eq!(c.match_prefix(&[0, 1, 2, 3, 4, 5, 99, 99, 99]), 4);
+        assert_eq!(c.insert(&[0, 1, 2, 3, 4, 5, 9, 9]), 4);
+        assert_eq!(c.size(), 12);
+        let id = c.lock(&a, 7);
+        assert_eq!(c.locked_size(), 4);
+        c.unlock(id);
+        c.check_invariants();
+
+        let mut small = RadixCache::new(6, 4);
+        small.insert(&(0..12).collect::<Vec<_>>()); // 12 > 6: cut 6 tokens, rounded up to 8
+        assert_eq!(small.size(), 4);
+        assert_eq!(RadixCache::new(1, 0).page_size(), 1);
+    }
+
+    #[test]
+    fn shared_prefix_counted_once() {
+        let mut c = RadixCache::new(100, 1);
+        assert_eq!(c.insert(&[1, 2, 3, 4]), 0);
+        assert_eq!(c.insert(&[1, 2, 5, 6]), 2);
+        assert_eq!(c.size(), 6);
+        assert_eq!(c.node_count(), 3);
+        assert_eq!(c.match_prefix(&[1, 2, 5, 6, 7]), 4);
+        assert_eq!(c.match_prefix(&[1, 2, 3, 4, 7]), 4);
+        c.check_invariants();
+    }
+
+    #[test]
+    fn lru_leaf_tail_is_evicted_first() {
+        let (a, b, cc) = ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10]);
+        let mut c = RadixCache::new(8, 1);
+        c.insert(&a);
+        c.insert(&b);
+        assert_eq!(c.match_prefix(&[1, 2, 3, 4, 99]), 4); // touches all of A (a bare A would touch only 3 tokens)
+        c.insert(&cc);
+        assert_eq!(c.size(), 8);
+        assert_eq!(c.cached_prefix_len(&b), 2);
+        assert_eq!(c.cached_prefix_len(&a), 4);
+        assert_eq!(c.cached_prefix_len(&cc), 2);
+        c.insert(&[11, 12, 13]); // B's rest (2), then 1 token off A, the next LRU leaf
+        assert_eq!((c.cached_prefix_len(&b), c.cached_prefix_len(&a), c.size()), (0, 3, 8));
+        c.check_invariants();
+    }
+
+    #[test]
+    fn locked_paths_survive_eviction() {
+        let a = [1, 2, 3, 4];
+        let mut c = RadixCache::new(8, 1);
+        c.insert(&a);
+        let id = c.lock(&a, 10);
+        assert_eq!(c.locked_size(), 4);
+        c.insert(&[5, 6, 7, 8]);
+        c.insert(&[9, 10, 11, 12]); // A is the LRU leaf but locked: B goes instead
+        assert_eq!(
+            (c.cached_prefix_len(&a), c.cached_prefix_len(&[5, 6, 7, 8]), c.size()),
+            (4, 0, 8)
+        );
+        c.set_capacity(2);
+        assert_eq!(c.size(), 4); // above capacity while locked
+        assert_eq!(c.cached_prefix_len(&a), 4);
+        c.check_invariants();
+        c.unlock(id);
+        assert_eq!((c.size(), c.locked_size(), c.cached_prefix_len(&a)), (2, 0, 2));
+        c.check_invariants();
+    }
+
+    #[test]
+    fn lock_ids_survive_splits_and_nest() {
+        let a = [1, 2, 3, 4, 5, 6];
+        let mut c = RadixCache::new(100, 1);
+        c.insert(&a);
+        let whole = c.lock(&a, 6);
+        let half = c.lock(&[1, 2, 3, 9, 9], 5); // clipped to the cached 3 tokens; splits A's node
+        assert_eq!(c.match_prefix(&[1, 2, 7]), 2); // splits again
+        c.insert(&[1, 2, 3, 4, 5, 6, 7, 8]); // A's end is locked: a new child instead of growing it
+        assert_eq!((c.locked_size(), c.node_count(), c.size()), (6, 4, 8));
+        c.check_invariants();
+        c.unlock(whole);
+        assert_eq!(c.locked_size(), 3);
+        c.unlock(half);
+        assert_eq!(c.locked_size(), 0);
+        c.flush();
+        assert_eq!((c.size(), c.node_count()), (0, 0));
+        c.check_invariants();
+    }
+
+    #[test]
+    fn flush_keeps_locked_paths() {
+        let mut c = RadixCache::new(100, 1);
+        c.insert(&[1, 2, 3, 4]);
+        c.insert(&[5, 6, 7]);
+        let id = c.lock(&[1, 2, 3, 4], 2);
+        c.flush();
+        assert_eq!((c.size(), c.locked_size()), (2, 2));
+        assert_eq!(
+            (c.cached_prefix_len(&[1, 2, 3, 4]), c.cached_prefix_len(&[5, 6, 7])),
+            (2, 0)
+        );
+        c.check_invariants();
+        c.unlock(id);
+        assert_eq!(c.size(), 2);
+        c.flush();
+        assert_eq!((c.size(), c.node_count()), (0, 0));
+        c.check_invariants();
+    }
+
+    #[test]
+    fn long_prompt() {
+        let a: Vec<u32> = (0..200_000).collect();
+        let mut c = RadixCache::new(1_000_000, 1);
+        assert_eq!(c.insert(&a), 0);
+        assert_eq!(c.match_prefix(&a), 199_999);
+        assert_eq!(c.cached_prefix_len(&a), 200_000);
+        let mut b = a[..150_000].to_vec();
+        b.extend(1_000_000..1_050_000);
+        assert_eq!(c.match_prefix(&b), 150_000);
+        assert_eq!(c.insert(&b), 150_000);
+        // Nodes: a[..150k], a[150k..199_999], a[199_999] (the capped match of `a` split there), b's tail.
+        assert_eq!((c.size(), c.node_count()), (250_000, 4));
+        assert_eq!(c.match_prefix(&b), 199_999);
+        c.set_capacity(200_000); // the LRU leaf is A's tail (50k tokens)
+        assert_eq!((c.cached_prefix_len(&a), c.cached_prefix_len(&b)), (150_000, 200_000));
+        c.check_invariants();
+    }
+
+    /// Token-level reference: every cached page-aligned prefix with the tick of its last page.
+    struct Naive {
+        map: BTreeMap<Vec<u32>, u64>,
+        locks: Vec<Vec<u32>>,
+        page: usize,
+        capacity: usize,
+        clock: u64,
+    }
+
+    impl Naive {
+        fn floor(&self, n: usize) -> usize {
+            n - n % self.page
+        }
+
+        fn cached_len(&self, tokens: &[u32]) -> usize {
+            let mut k = 0;
+            while k + self.page <= tokens.len() && self.map.contains_key(&tokens[..k + self.page]) {
+                k += self.page;
+            }
+            k
+        }
+
+        fn touch(&mut self, tokens: &[u32]) {
+            for k in (self.page..=tokens.len()).step_by(self.page) {
+                self.map.insert(tokens[..k].to_vec(), self.clock);
+            }
+        }
+
+        fn match_prefix(&mut self, tokens: &[u32]) -> usize {
+            self.clock += 1;
+            let len = self.cached_len(tokens).min(self.floor(tokens.len().saturating_sub(1)));
+            self.touch(&tokens[..len]);
+            len
+        }
+
+        fn insert(&mut self, tokens: &[u32]) -> usize {
+            self.clock += 1;
+            let matched = self.cached_len(tokens);
+            self.touch(&tokens[..self.floor(tokens.len())]);
+            self.evict(self.capacity);
+            matched
+        }
+
+        fn lock(&mut self, tokens: &[u32], len: usize) {
+            let len = self.floor(len.min(self.cached_len(tokens)));
+            self.locks.push(tokens[..len].to_vec());
+        }
+
+        /// Removes, one page at a time, the unlocked page with no extension and the smallest tick.
+        fn evict(&mut self, target: usize) {
+            while self.map.len() * self.page > target {
+                let victim = self
+                    .map
+                    .iter()
+                    .filter(|(k, _)| !self.map.keys().any(|o| o.len() > k.len() && o.starts_with(k)))
+                    .filter(|(k, _)| !self.locks.iter().any(|l| l.starts_with(k)))
+                    .min_by_key(|&(k, t)| (*t, k.clone()));
+                let Some((key, _)) = victim else { break };
+                let key = key.clone();
+                self.map.remove(&key);
+            }
+        }
+
+        fn locked_size(&self) -> usize {
+            self.map
+                .keys()
+                .filter(|k| self.locks.iter().any(|l| l.starts_with(k)))
+                .count()
+                * self.page
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(Vec<u32>),
+        Match(Vec<u32>),
+        Lock(Vec<u32>, usize),
+        Unlock(usize),
+        Flush,
+        SetCapacity(usize),
+    }
+
+    fn ops(alphabet: u32, max_len: usize) -> impl Strategy<Value = Vec<Op>> {
+        let seq = move || prop::collection::vec(0..alphabet, 0..max_len);
+        let op = prop_oneof![
+            4 => seq().prop_map(Op::Insert),
+            3 => seq().prop_map(Op::Match),
+            2 => (seq(), 0..max_len + 2).prop_map(|(s, l)| Op::Lock(s, l)),
+            2 => any::<usize>().prop_map(Op::Unlock),
+            1 => Just(Op::Flush),
+            1 => (0..max_len * 3).prop_map(Op::SetCapacity),
+        ];
+        prop::collection::vec(op, 1..60)
+    }
+
+    fn agrees(page: usize, capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
+        let mut radix = RadixCache::new(capacity, page);
+        let mut naive = Naive {
+            map: BTreeMap::new(),
+            locks: Vec::new(),
+            page,
+            capacity,
+            clock: 0,
+        };
+        let (mut locks, mut probes) = (Vec::new(), Vec::new());
+        for op in ops {
+            match op {
+                Op::Insert(s) => {
+                    prop_assert_eq!(radix.insert(&s), naive.insert(&s));
+                    probes.push(s);
+                }
+                Op::Match(s) => prop_assert_eq!(radix.match_prefix(&s), naive.match_prefix(&s)),
+                Op::Lock(s, len) => {
+                    locks.push(radix.lock(&s, len));
+                    naive.lock(&s, len);
+                }
+                Op::Unlock(i) if !locks.is_empty() => {
+                    let i = i % locks.len();
+                    radix.unlock(locks.swap_remove(i));
+                    naive.locks.swap_remove(i);
+                    naive.evict(naive.capacity);
+                }
+                Op::Unlock(_) => {}
+                Op::Flush => {
+                    radix.flush();
+                    naive.evict(0);
+                }
+                Op::SetCapacity(c) => {
+                    radix.set_capacity(c);
+                    naive.capacity = c;
+                    naive.evict(c);
+                }
+            }
+            radix.check_invariants();
+            prop_assert_eq!(radix.snapshot(), naive.map.clone());
+            prop_assert_eq!(radix.size(), naive.map.len() * page);
+            prop_assert_eq!(radix.locked_size(), naive.locked_size());
+            for p in &probes {
+                prop_assert_eq!(radix.cached_prefix_len(p), naive.cached_len(p));
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn agrees_with_naive_model(capacity in 5usize..40, ops in ops(3, 12)) {
+            agrees(1, capacity, ops)?;
+        }
+
+        #[test]
+        fn agrees_with_naive_model_paged(page in 2usize..4, capacity in 0usize..40, ops in ops(2, 16)) {
+            agrees(page, capacity, ops)?;
+        }
+    }
+}

@@ -1,0 +1,455 @@
+//! The virtual-time discrete-event simulator: a workload, routed by a `core` policy (the same code the gateway
+//! runs), onto N simulated DP ranks.
+//!
+//! Each rank has a [`RadixCache`] and the [`CostModel`]'s timing: requests queue for prefill first come first
+//! served; at prefill start the rank matches the prompt against its cache and pins the hit; the first token comes
+//! `base + uncached / prefill_rate` later, when the prompt is cached; decode follows, and at the end the prompt plus
+//! the answer are cached and the pin released. Routing goes through [`dispatch`], so in-flight load is held by a
+//! [`LoadGuard`] until the request finishes. Every `report_interval` (checked at each arrival) every rank publishes
+//! an [`EngineReport`] (running + waiting requests; pinned KV plus queued prompt tokens), as SGLang's schedulers do.
+//!
+//! Deterministic: events at equal times run in the order they were scheduled. Cost per request: O(prompt length)
+//! for cache matching plus O(log events) for the queue; per report: O(ranks).
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+
+use dprouter_core::{dispatch, Branch, EngineReport, LoadGuard, Policy, RouteRequest, Snapshot};
+
+use crate::cost::{CostModel, Micros};
+use crate::radix::{LockId, RadixCache};
+use crate::tokens;
+use crate::workload::{SimRequest, Workload, WorkloadError};
+
+/// Simulation settings shared by every policy of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SimConfig {
+    pub dp_size: u32,
+    pub cost: CostModel,
+    /// How often ranks publish load reports to the router (SGLang: every ~20 ms).
+    pub report_interval: Micros,
+    /// Seeds synthetic outputs (must match the workload's seed).
+    pub seed: u64,
+}
+
+/// What happened to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestRecord {
+    pub id: u64,
+    pub group: u64,
+    pub rank: usize,
+    pub branch: Branch,
+    pub arrival: Micros,
+    pub first_token: Micros,
+    pub finish: Micros,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+}
+
+impl RequestRecord {
+    pub fn ttft(&self) -> Micros {
+        self.first_token - self.arrival
+    }
+}
+
+/// The result of one simulation.
+#[derive(Debug, Clone, Default)]
+pub struct SimOutcome {
+    /// Completed requests, in completion order.
+    pub records: Vec<RequestRecord>,
+    /// Requests the policy could not route.
+    pub errors: u64,
+    /// Requests routed to each rank.
+    pub routed_per_rank: Vec<u64>,
+    /// In-flight requests the load table still counts after the run: 0 unless a guard leaked.
+    pub in_flight_at_end: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrival(usize),
+    PrefillDone(usize),
+    DecodeDone(usize),
+}
+
+struct Live {
+    req: SimRequest,
+    open_loop: bool,
+    rank: usize,
+    branch: Branch,
+    guard: Option<LoadGuard>,
+    lock: Option<LockId>,
+    cached: usize,
+    first_token: Micros,
+}
+
+struct Rank {
+    cache: RadixCache,
+    queue: VecDeque<usize>,
+    queued_tokens: u64,
+    prefilling: Option<usize>,
+    decoding: usize,
+}
+
+struct Sim<'a> {
+    policy: &'a dyn Policy,
+    workload: &'a mut dyn Workload,
+    config: &'a SimConfig,
+    snap: Snapshot,
+    ranks: Vec<Rank>,
+    live: Vec<Option<Live>>,
+    free: Vec<usize>,
+    events: BinaryHeap<Reverse<(Micros, u64, Event)>>,
+    seq: u64,
+    last_report: Option<Micros>,
+    outcome: SimOutcome,
+}
+
+/// Runs `workload` through `policy` until every request has finished. `on_progress` is called with the number of
+/// finished requests from time to time.
+pub fn simulate(
+    policy: &dyn Policy,
+    workload: &mut dyn Workload,
+    config: &SimConfig,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<SimOutcome, WorkloadError> {
+    let dp = config.dp_size as usize;
+    let mut sim = Sim {
+        policy,
+        workload,
+        config,
+        snap: Snapshot::single_worker(config.dp_size),
+        ranks: (0..dp)
+            .map(|_| Rank {
+                cache: RadixCache::new(config.cost.kv_capacity, config.cost.page_size),
+                queue: VecDeque::new(),
+                queued_tokens: 0,
+                prefilling: None,
+                decoding: 0,
+            })
+            .collect(),
+        live: Vec::new(),
+        free: Vec::new(),
+        events: BinaryHeap::new(),
+        seq: 0,
+        last_report: None,
+        outcome: SimOutcome {
+            routed_per_rank: vec![0; dp],
+            ..SimOutcome::default()
+        },
+    };
+    sim.pull_open_loop(0);
+    while let Some(Reverse((now, _, event))) = sim.events.pop() {
+        match event {
+            Event::Arrival(slot) => sim.arrive(slot, now),
+            Event::PrefillDone(rank) => sim.prefill_done(rank, now),
+            Event::DecodeDone(slot) => {
+                sim.decode_done(slot, now);
+                if sim.outcome.records.len() % 256 == 0 {
+                    on_progress(sim.outcome.records.len());
+                }
+            }
+        }
+    }
+    if let Some(err) = sim.workload.take_error() {
+        return Err(err);
+    }
+    on_progress(sim.outcome.records.len());
+    sim.outcome.in_flight_at_end = sim.snap.endpoints().iter().map(|e| e.load.in_flight_requests()).sum();
+    Ok(sim.outcome)
+}
+
+impl Sim<'_> {
+    fn schedule(&mut self, at: Micros, event: Event) {
+        self.seq += 1;
+        self.events.push(Reverse((at, self.seq, event)));
+    }
+
+    fn admit(&mut self, mut req: SimRequest, open_loop: bool, now: Micros) {
+        // A request cannot arrive in the past (an out-of-order trace line arrives now).
+        req.arrival = req.arrival.max(now);
+        let at = req.arrival;
+        let live = Live {
+            req,
+            open_loop,
+            rank: 0,
+            branch: Branch::Turn,
+            guard: None,
+            lock: None,
+            cached: 0,
+            first_token: 0,
+        };
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.live[slot] = Some(live);
+                slot
+            }
+            None => {
+                self.live.push(Some(live));
+                self.live.len() - 1
+            }
+        };
+        self.schedule(at, Event::Arrival(slot));
+    }
+
+    /// Schedules the workload's next open-loop arrival, if any.
+    fn pull_open_loop(&mut self, now: Micros) {
+        if let Some(req) = self.workload.next_arrival() {
+            self.admit(req, true, now);
+        }
+    }
+
+    fn release(&mut self, slot: usize) -> Option<Live> {
+        let live = self.live.get_mut(slot)?.take();
+        self.free.push(slot);
+        live
+    }
+
+    fn publish_reports(&mut self, now: Micros) {
+        if self.last_report.is_some_and(|t| now < t + self.config.report_interval) {
+            return;
+        }
+        self.last_report = Some(now);
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let waiting = rank.queue.len() as u64;
+            self.snap.load(r).apply_report(EngineReport {
+                requests: waiting + u64::from(rank.prefilling.is_some()) + rank.decoding as u64,
+                waiting,
+                tokens: rank.cache.locked_size() as u64 + rank.queued_tokens,
+                // Strictly increasing even for a report at time 0.
+                timestamp: now + 1,
+            });
+        }
+    }
+
+    fn arrive(&mut self, slot: usize, now: Micros) {
+        let Some(live) = self.live[slot].as_ref() else { return };
+        if live.open_loop {
+            self.pull_open_loop(now);
+        }
+        self.publish_reports(now);
+        let Some(live) = self.live[slot].as_mut() else { return };
+        let route_req = RouteRequest::tokens(live.req.tokens.clone())
+            .with_bootstrap_room(live.req.bootstrap_room(self.config.seed));
+        match dispatch(self.policy, &self.snap, &route_req) {
+            Ok(d) => {
+                live.rank = d.pick.rank;
+                live.branch = d.pick.branch;
+                live.guard = Some(d.guard);
+                let rank = &mut self.ranks[d.pick.rank];
+                rank.queue.push_back(slot);
+                rank.queued_tokens += live.req.tokens.len() as u64;
+                self.outcome.routed_per_rank[d.pick.rank] += 1;
+                if rank.prefilling.is_none() {
+                    self.start_prefill(d.pick.rank, now);
+                }
+            }
+            Err(_) => {
+                self.outcome.errors += 1;
+                self.release(slot);
+            }
+        }
+    }
+
+    fn start_prefill(&mut self, r: usize, now: Micros) {
+        let rank = &mut self.ranks[r];
+        let Some(slot) = rank.queue.pop_front() else { return };
+        let Some(live) = self.live[slot].as_mut() else { return };
+        rank.queued_tokens -= live.req.tokens.len() as u64;
+        let cached = rank.cache.match_prefix(&live.req.tokens);
+        live.lock = Some(rank.cache.lock(&live.req.tokens, cached));
+        live.cached = cached;
+        rank.prefilling = Some(slot);
+        let done = now + self.config.cost.prefill(live.req.tokens.len() - cached);
+        self.schedule(done, Event::PrefillDone(r));
+    }
+
+    fn prefill_done(&mut self, r: usize, now: Micros) {
+        let rank = &mut self.ranks[r];
+        let Some(slot) = rank.prefilling.take() else { return };
+        if let Some(live) = self.live[slot].as_mut() {
+            live.first_token = now;
+            rank.cache.insert(&live.req.tokens);
+            let pin = rank.cache.lock(&live.req.tokens, live.req.tokens.len());
+            if let Some(old) = live.lock.replace(pin) {
+                rank.cache.unlock(old);
+            }
+            rank.decoding += 1;
+            let done = now + self.config.cost.decode(live.req.output_tokens, rank.decoding);
+            self.schedule(done, Event::DecodeDone(slot));
+        }
+        self.start_prefill(r, now);
+    }
+
+    fn decode_done(&mut self, slot: usize, now: Micros) {
+        let Some(mut live) = self.release(slot) else { return };
+        let rank = &mut self.ranks[live.rank];
+        rank.decoding -= 1;
+        let mut full = live.req.tokens.clone();
+        tokens::extend_output(
+            &mut full,
+            self.config.seed,
+            live.req.id,
+            live.req.output_tokens as usize,
+        );
+        rank.cache.insert(&full);
+        if let Some(lock) = live.lock.take() {
+            rank.cache.unlock(lock);
+        }
+        // Releases this request's in-flight load.
+        live.guard = None;
+        self.outcome.records.push(RequestRecord {
+            id: live.req.id,
+            group: live.req.group,
+            rank: live.rank,
+            branch: live.branch,
+            arrival: live.req.arrival,
+            first_token: live.first_token,
+            finish: now,
+            prompt_tokens: live.req.tokens.len(),
+            cached_tokens: live.cached,
+        });
+        if let Some(next) = self.workload.on_finish(&live.req, now) {
+            self.admit(next, false, now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::report::Summary;
+    use crate::workload::agent::{AgentConfig, AgentWorkload};
+    use crate::workload::groups::{GroupsConfig, GroupsWorkload};
+    use dprouter_core::PolicyConfig;
+
+    fn config(dp: u32, preset: &str) -> SimConfig {
+        SimConfig {
+            dp_size: dp,
+            cost: CostModel::preset(preset).unwrap(),
+            report_interval: 20_000,
+            seed: 0,
+        }
+    }
+
+    fn run(policy: &str, workload: &mut dyn Workload, config: &SimConfig) -> SimOutcome {
+        let policy = PolicyConfig::from_name(policy).unwrap().build();
+        simulate(policy.as_ref(), workload, config, &mut |_| {}).unwrap()
+    }
+
+    fn agents_workload(config: AgentConfig) -> AgentWorkload {
+        AgentWorkload::new(config, 0).unwrap()
+    }
+
+    #[test]
+    fn seed_agent_is_cold_once_then_warm_with_prefix_match() {
+        let out = run(
+            "prefix_match",
+            &mut agents_workload(AgentConfig::default()),
+            &config(16, "seed-moe"),
+        );
+        let mut records = out.records.clone();
+        records.sort_by_key(|r| r.arrival);
+        assert_eq!(records.len(), 30);
+        let first = records[0].ttft() as f64 / 1e6;
+        assert!((first - 7.45).abs() < 0.1, "cold TTFT {first}");
+        let s = Summary::new("prefix_match", &out);
+        assert!(
+            (s.steady_ttft_p50_ms - 1290.0).abs() < 10.0,
+            "steady p50 {}",
+            s.steady_ttft_p50_ms
+        );
+    }
+
+    #[test]
+    fn round_robin_is_cold_on_every_new_rank() {
+        let workload = AgentConfig {
+            turns: 16,
+            ..AgentConfig::default()
+        };
+        let out = run("round_robin", &mut agents_workload(workload), &config(16, "seed-moe"));
+        assert!(
+            out.records.iter().all(|r| r.cached_tokens == 0),
+            "16 turns over 16 ranks never meet a warm rank"
+        );
+        assert_eq!(out.routed_per_rank, vec![1; 16]);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        #[test]
+        fn every_request_completes_and_no_load_leaks(
+            groups in 1u64..6, per_group in 1u64..6, system_len in 0usize..3000, rate in 0.0f64..200.0,
+            dp in 1u32..6, kv in 500usize..20_000, agents in 1u64..5, turns in 1u32..4,
+        ) {
+            let mut cfg = config(dp, "h100-8b");
+            cfg.cost.kv_capacity = kv;
+            let g = GroupsConfig { groups, prompts_per_group: per_group, system_len, rate, ..GroupsConfig::default() };
+            let a = AgentConfig { agents, prefixes: 2, prefix_len: system_len, turns, ..AgentConfig::default() };
+            for policy in PolicyConfig::NAMES {
+                for (expected, out) in [
+                    (groups * per_group, run(policy, &mut GroupsWorkload::new(g.clone(), 1).unwrap(), &cfg)),
+                    (agents * u64::from(turns), run(policy, &mut agents_workload(a.clone()), &cfg)),
+                ] {
+                    proptest::prop_assert_eq!((out.records.len() as u64, out.errors, out.in_flight_at_end), (expected, 0, 0));
+                    proptest::prop_assert_eq!(out.routed_per_rank.iter().sum::<u64>(), expected);
+                    for r in &out.records {
+                        proptest::prop_assert!(r.cached_tokens < r.prompt_tokens.max(1));
+                        proptest::prop_assert!(r.arrival <= r.first_token && r.first_token <= r.finish);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unroutable_requests_are_counted_as_errors() {
+        let mut cfg = config(4, "zero");
+        cfg.dp_size = 0;
+        let out = run(
+            "round_robin",
+            &mut agents_workload(AgentConfig {
+                agents: 3,
+                ..AgentConfig::default()
+            }),
+            &cfg,
+        );
+        assert_eq!((out.records.len(), out.errors, out.in_flight_at_end), (0, 3, 0));
+    }
+
+    #[test]
+    fn identical_inputs_give_identical_runs() {
+        let workload = AgentConfig {
+            agents: 6,
+            prefixes: 2,
+            prefix_len: 3000,
+            turns: 5,
+            ..AgentConfig::default()
+        };
+        let a = run(
+            "total_tokens",
+            &mut agents_workload(workload.clone()),
+            &config(4, "h100-8b"),
+        );
+        let b = run("total_tokens", &mut agents_workload(workload), &config(4, "h100-8b"));
+        assert_eq!(a.records, b.records);
+    }
+
+    #[test]
+    fn a_small_cache_forgets_and_capacity_holds() {
+        // Two agents with distinct 3000-token prefixes on one rank that holds only 4000 tokens: they evict each other.
+        let workload = AgentConfig {
+            agents: 2,
+            prefixes: 2,
+            prefix_len: 3000,
+            turns: 4,
+            ..AgentConfig::default()
+        };
+        let mut small = config(1, "h100-8b");
+        small.cost.kv_capacity = 4000;
+        let out = run("round_robin", &mut agents_workload(workload.clone()), &small);
+        let big = run("round_robin", &mut agents_workload(workload), &config(1, "h100-8b"));
+        let hit = |o: &SimOutcome| Summary::new("x", o).hit_rate;
+        assert!(hit(&out) < hit(&big), "{} vs {}", hit(&out), hit(&big));
+    }
+}

@@ -1,0 +1,169 @@
+//! Workloads: the requests a simulation (or an HTTP benchmark) sends, with identical content for every policy.
+//!
+//! A workload yields open-loop arrivals in time order ([`Workload::next_arrival`]) and may answer a finished
+//! request with a follow-up ([`Workload::on_finish`], closed loop: an agent's next turn). Specs on the command line:
+//!
+//! - `agent[:k=v,...]`: agents sending multi-turn conversations over shared prefixes ([`agent::AgentConfig`]).
+//! - `groups[:k=v,...]`: SGLang's generated-shared-prefix benchmark ([`groups::GroupsConfig`]).
+//! - `trace:PATH[,speedup=X]`: a Mooncake JSONL trace replayed at its timestamps ([`trace::TraceConfig`]).
+
+use serde::de::DeserializeOwned;
+use serde_json::{Map, Value};
+use thiserror::Error;
+
+use crate::cost::Micros;
+
+pub mod agent;
+pub mod groups;
+pub mod trace;
+
+/// One request as the simulated engine sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimRequest {
+    /// Unique within a workload run and identical across policies (it also seeds the synthetic output).
+    pub id: u64,
+    pub arrival: Micros,
+    pub tokens: Vec<u32>,
+    pub output_tokens: u32,
+    /// Requests of one group share a prefix; the first of each group to arrive is its cold start.
+    pub group: u64,
+}
+
+impl SimRequest {
+    /// The `bootstrap_room` a PD-disaggregation router would attach: a random 63-bit value per request.
+    pub fn bootstrap_room(&self, seed: u64) -> u64 {
+        crate::tokens::mix(seed ^ crate::tokens::mix(self.id ^ 0xB007)) >> 1
+    }
+}
+
+pub trait Workload {
+    /// The next open-loop request, in nondecreasing arrival order; `None` when there are no more.
+    fn next_arrival(&mut self) -> Option<SimRequest>;
+
+    /// A follow-up to `finished`, which completed at `now` (closed loop); `None` for open-loop workloads.
+    fn on_finish(&mut self, finished: &SimRequest, now: Micros) -> Option<SimRequest>;
+
+    /// An error that ended the arrivals early (a malformed trace line); the run must report it, not its results.
+    fn take_error(&mut self) -> Option<WorkloadError> {
+        None
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum WorkloadError {
+    #[error("unknown workload `{0}`: expected agent, groups or trace:PATH")]
+    Unknown(String),
+    #[error("workload option `{0}` must look like key=value")]
+    Malformed(String),
+    #[error("invalid options for workload `{kind}`: {source}")]
+    Options {
+        kind: &'static str,
+        source: serde_json::Error,
+    },
+    #[error("workload `{kind}`: {message}")]
+    Invalid { kind: &'static str, message: String },
+    #[error("cannot read trace {path}: {source}")]
+    Io { path: String, source: std::io::Error },
+    #[error("trace {path} line {line}: {source}")]
+    TraceLine {
+        path: String,
+        line: usize,
+        source: serde_json::Error,
+    },
+}
+
+/// A parsed `--workload` spec; builds a fresh, identical workload for each policy.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkloadSpec {
+    Agent(agent::AgentConfig),
+    Groups(groups::GroupsConfig),
+    Trace(trace::TraceConfig),
+}
+
+impl WorkloadSpec {
+    pub fn parse(spec: &str) -> Result<Self, WorkloadError> {
+        let (kind, rest) = spec.split_once(':').unwrap_or((spec, ""));
+        match kind {
+            "agent" => Ok(Self::Agent(options("agent", rest)?)),
+            "groups" => Ok(Self::Groups(options("groups", rest)?)),
+            "trace" => {
+                let (path, rest) = rest.split_once(',').unwrap_or((rest, ""));
+                if path.is_empty() {
+                    return Err(WorkloadError::Invalid {
+                        kind: "trace",
+                        message: "needs a path: trace:PATH".into(),
+                    });
+                }
+                let mut config: trace::TraceConfig = options("trace", rest)?;
+                config.path = path.into();
+                Ok(Self::Trace(config))
+            }
+            other => Err(WorkloadError::Unknown(other.into())),
+        }
+    }
+
+    /// A short name for reports.
+    pub fn name(&self) -> String {
+        match self {
+            Self::Agent(c) => format!(
+                "agent(agents={},prefixes={},prefix_len={})",
+                c.agents, c.prefixes, c.prefix_len
+            ),
+            Self::Groups(c) => format!("groups({}x{},system={})", c.groups, c.prompts_per_group, c.system_len),
+            Self::Trace(c) => format!("trace({})", c.path),
+        }
+    }
+
+    pub fn build(&self, seed: u64) -> Result<Box<dyn Workload>, WorkloadError> {
+        Ok(match self {
+            Self::Agent(c) => Box::new(agent::AgentWorkload::new(c.clone(), seed)?),
+            Self::Groups(c) => Box::new(groups::GroupsWorkload::new(c.clone(), seed)?),
+            Self::Trace(c) => Box::new(trace::TraceWorkload::open(c.clone(), seed)?),
+        })
+    }
+}
+
+/// Parses `k=v,k=v` into a config struct (unknown keys are errors; absent keys keep their defaults).
+fn options<T: DeserializeOwned>(kind: &'static str, text: &str) -> Result<T, WorkloadError> {
+    let mut map = Map::new();
+    for pair in text.split(',').filter(|p| !p.trim().is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| WorkloadError::Malformed(pair.into()))?;
+        let value = v
+            .parse::<u64>()
+            .map(Value::from)
+            .or_else(|_| v.parse::<f64>().map(Value::from))
+            .unwrap_or_else(|_| Value::from(v));
+        map.insert(k.trim().into(), value);
+    }
+    serde_json::from_value(Value::Object(map)).map_err(|source| WorkloadError::Options { kind, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn specs_parse_with_defaults_and_reject_unknown_keys() {
+        let WorkloadSpec::Agent(a) = WorkloadSpec::parse("agent").unwrap() else {
+            panic!()
+        };
+        assert_eq!((a.agents, a.prefix_len, a.turns), (1, 22_651, 30));
+        let WorkloadSpec::Agent(a) = WorkloadSpec::parse("agent:agents=4,think_s=0.5").unwrap() else {
+            panic!()
+        };
+        assert_eq!((a.agents, a.think_s), (4, 0.5));
+        let WorkloadSpec::Trace(t) = WorkloadSpec::parse("trace:/x/y.jsonl,speedup=2").unwrap() else {
+            panic!()
+        };
+        assert_eq!((t.path.as_str(), t.speedup), ("/x/y.jsonl", 2.0));
+        assert!(WorkloadSpec::parse("agent:agent=4")
+            .unwrap_err()
+            .to_string()
+            .contains("agent"));
+        assert!(WorkloadSpec::parse("agent:4").is_err());
+        assert!(WorkloadSpec::parse("poisson").is_err());
+        assert!(WorkloadSpec::parse("trace:").is_err());
+    }
+}

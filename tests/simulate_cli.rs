@@ -1,0 +1,81 @@
+//! `dprouter simulate` as a process: the table, the JSON file and argument errors.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn simulate(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .arg("simulate")
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn prints_a_row_per_policy_and_writes_json() {
+    let json = std::env::temp_dir().join(format!("dprouter-sim-{}.json", std::process::id()));
+    let out = simulate(&[
+        "--workload",
+        "agent:agents=2,prefix_len=2000,turns=6",
+        "--dp-size",
+        "16",
+        "--policy",
+        "round_robin,prefix_match",
+        "--preset",
+        "seed-moe",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.lines().any(|l| l.starts_with("round_robin ")), "{stdout}");
+    assert!(stdout.lines().any(|l| l.starts_with("prefix_match ")), "{stdout}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    assert_eq!(
+        (doc["dp_size"].as_u64(), doc["preset"].as_str()),
+        (Some(16), Some("seed-moe"))
+    );
+    let results = doc["results"].as_array().unwrap();
+    assert_eq!(results.len(), 2);
+    for key in [
+        "policy",
+        "requests",
+        "ttft_mean_ms",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "steady_ttft_p50_ms",
+        "hit_rate",
+        "throughput_rps",
+        "max_mean_load",
+        "errors",
+    ] {
+        assert!(results.iter().all(|r| r.get(key).is_some()), "missing {key}");
+    }
+    assert_eq!(results[0]["requests"].as_u64(), Some(12));
+    // Two agents on one prefix, 12 requests over 16 ranks: round_robin never meets a warm rank, prefix_match does.
+    assert!(results[1]["hit_rate"].as_f64().unwrap() > results[0]["hit_rate"].as_f64().unwrap());
+}
+
+#[test]
+fn bad_arguments_exit_two_and_bad_traces_fail() {
+    for args in [
+        &["--workload", "agent", "--dp-size", "4", "--preset", "a100"][..],
+        &["--workload", "agent:agentz=3", "--dp-size", "4"],
+        &["--workload", "agent", "--dp-size", "4", "--policy", "random"],
+        &["--workload", "agent", "--dp-size", "0"],
+    ] {
+        let out = simulate(args);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = simulate(&["--workload", "trace:/nonexistent/trace.jsonl", "--dp-size", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read trace"));
+}
