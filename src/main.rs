@@ -4,6 +4,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+mod cost_args;
+mod mock_engine;
 mod route;
 mod simulate;
 
@@ -21,13 +24,26 @@ enum Command {
     Route(route::RouteArgs),
     /// Compare policies on a workload over simulated DP ranks, in virtual time.
     Simulate(simulate::SimulateArgs),
+    /// Run an SGLang-compatible engine over the simulator (no GPU), in scaled real time.
+    MockEngine(mock_engine::MockEngineArgs),
+    /// Drive a workload over HTTP against an engine or gateway and measure TTFT from the streams.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let result = match cli.command {
         Command::Route(args) => route::run(args),
         Command::Simulate(args) => simulate::run(args),
+        Command::MockEngine(args) => mock_engine::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     result.unwrap_or_else(|err| {
         eprintln!("dprouter: {err:#}");

@@ -8,10 +8,11 @@ use anyhow::Context;
 use clap::Args;
 use dprouter_core::PolicyConfig;
 use dprouter_sim::report::table;
-use dprouter_sim::{simulate, CostModel, SimConfig, Summary, WorkloadSpec};
+use dprouter_sim::{simulate, SimConfig, Summary, WorkloadSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
+use crate::cost_args::CostArgs;
 use crate::route::parse_policy;
 
 #[derive(Debug, Args)]
@@ -25,27 +26,8 @@ pub struct SimulateArgs {
     /// Comma-separated policies to compare (default: all).
     #[arg(long, value_delimiter = ',', value_parser = parse_policy)]
     policy: Vec<PolicyConfig>,
-    /// Engine cost preset: seed-moe, h100-8b or zero.
-    #[arg(long, default_value = "h100-8b", value_parser = parse_preset)]
-    preset: String,
-    /// KV cache capacity per rank, tokens.
-    #[arg(long)]
-    kv_capacity: Option<usize>,
-    /// Fixed part of each prefill, milliseconds.
-    #[arg(long)]
-    base_ms: Option<f64>,
-    /// Prefill throughput per rank, tokens per second.
-    #[arg(long)]
-    prefill_rate: Option<f64>,
-    /// Time per output token, milliseconds.
-    #[arg(long)]
-    tpot_ms: Option<f64>,
-    /// Decode slowdown per additional running request.
-    #[arg(long)]
-    decode_slowdown: Option<f64>,
-    /// Radix cache page size, tokens.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    page_size: Option<u64>,
+    #[command(flatten)]
+    cost: CostArgs,
     /// Interval of engine load reports to the router, milliseconds.
     #[arg(long, default_value_t = 20.0)]
     report_interval_ms: f64,
@@ -61,43 +43,8 @@ fn parse_workload(spec: &str) -> Result<WorkloadSpec, String> {
     WorkloadSpec::parse(spec).map_err(|e| e.to_string())
 }
 
-fn parse_preset(name: &str) -> Result<String, String> {
-    match CostModel::preset(name) {
-        Some(_) => Ok(name.into()),
-        None => Err(format!(
-            "unknown preset `{name}`; expected one of: {}",
-            CostModel::PRESETS.join(", ")
-        )),
-    }
-}
-
-impl SimulateArgs {
-    fn cost(&self) -> anyhow::Result<CostModel> {
-        let mut cost = CostModel::preset(&self.preset).context("unknown preset")?;
-        if let Some(v) = self.kv_capacity {
-            cost.kv_capacity = v;
-        }
-        if let Some(v) = self.base_ms {
-            cost.base_s = v / 1000.0;
-        }
-        if let Some(v) = self.prefill_rate {
-            cost.prefill_tokens_per_s = v;
-        }
-        if let Some(v) = self.tpot_ms {
-            cost.tpot_s = v / 1000.0;
-        }
-        if let Some(v) = self.decode_slowdown {
-            cost.decode_slowdown = v;
-        }
-        if let Some(v) = self.page_size {
-            cost.page_size = usize::try_from(v).context("page size too large")?;
-        }
-        Ok(cost)
-    }
-}
-
 pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
-    let cost = args.cost()?;
+    let cost = args.cost.model()?;
     let config = SimConfig {
         dp_size: args.dp_size,
         cost,
@@ -137,14 +84,14 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         "workload {}, dp {}, preset {}",
         args.workload.name(),
         args.dp_size,
-        args.preset
+        args.cost.preset
     );
     print!("{}", table(&rows));
     if let Some(path) = &args.json {
         let doc = json!({
             "workload": args.workload.name(),
             "dp_size": args.dp_size,
-            "preset": args.preset,
+            "preset": args.cost.preset,
             "cost": cost,
             "seed": args.seed,
             "results": rows,

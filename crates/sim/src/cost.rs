@@ -67,17 +67,20 @@ impl CostModel {
                 kv_capacity: 400_000,
                 page_size: 1,
             }),
-            "zero" => Some(Self {
-                base_s: 0.0,
-                prefill_tokens_per_s: 0.0,
-                tpot_s: 0.0,
-                decode_slowdown: 0.0,
-                kv_capacity: 1_000_000,
-                page_size: 1,
-            }),
+            "zero" => Some(Self::ZERO),
             _ => None,
         }
     }
+
+    /// The `zero` preset: nothing costs time.
+    pub const ZERO: Self = Self {
+        base_s: 0.0,
+        prefill_tokens_per_s: 0.0,
+        tpot_s: 0.0,
+        decode_slowdown: 0.0,
+        kv_capacity: 1_000_000,
+        page_size: 1,
+    };
 
     /// Service time of one prefill with `uncached` new tokens.
     pub fn prefill(&self, uncached: usize) -> Micros {

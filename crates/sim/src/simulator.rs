@@ -285,13 +285,9 @@ impl Sim<'_> {
         let Some(mut live) = self.release(slot) else { return };
         let rank = &mut self.ranks[live.rank];
         rank.decoding -= 1;
+        let output = tokens::output(self.config.seed, live.req.id, live.req.output_tokens as usize);
         let mut full = live.req.tokens.clone();
-        tokens::extend_output(
-            &mut full,
-            self.config.seed,
-            live.req.id,
-            live.req.output_tokens as usize,
-        );
+        full.extend_from_slice(&output);
         rank.cache.insert(&full);
         if let Some(lock) = live.lock.take() {
             rank.cache.unlock(lock);
@@ -309,7 +305,7 @@ impl Sim<'_> {
             prompt_tokens: live.req.tokens.len(),
             cached_tokens: live.cached,
         });
-        if let Some(next) = self.workload.on_finish(&live.req, now) {
+        if let Some(next) = self.workload.on_finish(&live.req, &output, now) {
             self.admit(next, false, now);
         }
     }

@@ -44,11 +44,6 @@ pub fn output(seed: u64, request_id: u64, len: usize) -> Vec<u32> {
     sequence(seed, Namespace::Output, request_id, len)
 }
 
-/// [`output`], appended to `out`.
-pub fn extend_output(out: &mut Vec<u32>, seed: u64, request_id: u64, len: usize) {
-    extend(out, seed, Namespace::Output, request_id, len);
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

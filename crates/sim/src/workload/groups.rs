@@ -98,7 +98,7 @@ impl Workload for GroupsWorkload {
         })
     }
 
-    fn on_finish(&mut self, _finished: &SimRequest, _now: Micros) -> Option<SimRequest> {
+    fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Option<SimRequest> {
         None
     }
 }

@@ -40,8 +40,9 @@ pub trait Workload {
     /// The next open-loop request, in nondecreasing arrival order; `None` when there are no more.
     fn next_arrival(&mut self) -> Option<SimRequest>;
 
-    /// A follow-up to `finished`, which completed at `now` (closed loop); `None` for open-loop workloads.
-    fn on_finish(&mut self, finished: &SimRequest, now: Micros) -> Option<SimRequest>;
+    /// A follow-up to `finished`, which completed at `now` with the answer `output` (token ids, as the engine
+    /// generated and cached them); `None` for open-loop workloads.
+    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Option<SimRequest>;
 
     /// An error that ended the arrivals early (a malformed trace line); the run must report it, not its results.
     fn take_error(&mut self) -> Option<WorkloadError> {

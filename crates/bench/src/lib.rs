@@ -1,0 +1,235 @@
+//! The HTTP benchmark driver: replays a simulator [`Workload`] against a live server (a mock or real SGLang
+//! engine, or a dprouter gateway in front of engines) in scaled real time, measuring TTFT from the response stream.
+//!
+//! Requests go to `POST /generate` with `input_ids`, `stream: true`; TTFT is the time to the first `data:` event.
+//! Arrivals and think times are the workload's virtual times multiplied by `time_scale`, and measured times are
+//! divided by it, so results compare one to one with `dprouter simulate` on the same workload. With
+//! [`Routing::Client`] the driver itself routes with a core policy and pins the rank (`routed_dp_rank`): the engine
+//! is measured alone. With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
+//!
+//! The outcome is the simulator's own [`SimOutcome`], so [`dprouter_sim::Summary`] reports both the same way.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use dprouter_core::{dispatch, Policy, RouteRequest, Snapshot};
+use dprouter_sim::{Micros, RequestRecord, SimOutcome, SimRequest, Workload, WorkloadError};
+use http_body_util::{BodyExt, Full};
+use hyper::{Request, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+/// Who chooses each request's rank.
+pub enum Routing<'a> {
+    /// The driver routes with `policy` over `dp_size` ranks and pins the choice with `routed_dp_rank`.
+    Client { policy: &'a dyn Policy, dp_size: u32 },
+    /// Requests go out unpinned; the target routes.
+    Server,
+}
+
+pub struct BenchConfig<'a> {
+    /// Base URL of the target, e.g. `http://127.0.0.1:30000`.
+    pub target: String,
+    /// Real seconds per virtual second.
+    pub time_scale: f64,
+    pub routing: Routing<'a>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error(transparent)]
+    Workload(#[from] WorkloadError),
+    #[error("invalid target URL {0}")]
+    Target(String),
+}
+
+/// What one request's task reports back.
+struct Finished {
+    req: SimRequest,
+    rank: usize,
+    result: Result<Measured, String>,
+}
+
+struct Measured {
+    first_token: Instant,
+    finish: Instant,
+    cached_tokens: usize,
+    served_rank: Option<usize>,
+    output_ids: Vec<u32>,
+}
+
+type HttpClient = Client<HttpConnector, Full<Bytes>>;
+
+/// Replays `workload` against the target until every request has finished; failed requests count as errors.
+pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Result<SimOutcome, BenchError> {
+    let url: hyper::Uri = format!("{}/generate", config.target.trim_end_matches('/'))
+        .parse()
+        .map_err(|_| BenchError::Target(config.target.clone()))?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: HttpClient = Client::builder(TokioExecutor::new()).build(connector);
+    let snapshot = match config.routing {
+        Routing::Client { dp_size, .. } => Snapshot::single_worker(dp_size),
+        Routing::Server => Snapshot::default(),
+    };
+    let scale = config.time_scale.max(1e-9);
+    let start = Instant::now();
+    let to_virtual = |t: Instant| (t.saturating_duration_since(start).as_secs_f64() / scale * 1e6) as Micros;
+    let to_real = |v: Micros| start + Duration::from_secs_f64(v as f64 / 1e6 * scale);
+
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Finished>();
+    let mut outcome = SimOutcome {
+        routed_per_rank: vec![0; snapshot.len()],
+        ..SimOutcome::default()
+    };
+    let mut guards = HashMap::new();
+    let mut in_flight = 0usize;
+    // Closed-loop follow-ups wait here for their arrival time, ordered by it.
+    let mut delayed: Vec<SimRequest> = Vec::new();
+    let mut next_open = workload.next_arrival();
+
+    loop {
+        // The earliest pending arrival: the next open-loop one or a delayed follow-up.
+        delayed.sort_by_key(|r| std::cmp::Reverse(r.arrival));
+        let due = match (&next_open, delayed.last()) {
+            (Some(a), Some(b)) => Some(a.arrival.min(b.arrival)),
+            (Some(a), None) => Some(a.arrival),
+            (None, Some(b)) => Some(b.arrival),
+            (None, None) => None,
+        };
+        if due.is_none() && in_flight == 0 {
+            break;
+        }
+        let sleep = async {
+            match due {
+                Some(v) => tokio::time::sleep_until(to_real(v)).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            _ = sleep => {
+                let req = match (&next_open, delayed.last()) {
+                    (Some(a), Some(b)) if b.arrival < a.arrival => delayed.pop(),
+                    (Some(_), _) => {
+                        let req = next_open.take();
+                        next_open = workload.next_arrival();
+                        req
+                    }
+                    (None, Some(_)) => delayed.pop(),
+                    (None, None) => None,
+                };
+                let Some(req) = req else { continue };
+                let mut body = json!({
+                    "input_ids": req.tokens,
+                    "sampling_params": {"max_new_tokens": req.output_tokens, "ignore_eos": true},
+                    "stream": true,
+                });
+                let mut rank = 0;
+                if let Routing::Client { policy, .. } = config.routing {
+                    let route_req = RouteRequest::tokens(req.tokens.clone());
+                    match dispatch(policy, &snapshot, &route_req) {
+                        Ok(d) => {
+                            rank = d.pick.rank;
+                            body["routed_dp_rank"] = json!(rank);
+                            guards.insert(req.id, d.guard);
+                        }
+                        Err(_) => {
+                            outcome.errors += 1;
+                            continue;
+                        }
+                    }
+                }
+                in_flight += 1;
+                let (client, url, tx) = (client.clone(), url.clone(), done_tx.clone());
+                tokio::spawn(async move {
+                    let result = send(&client, url, body).await;
+                    let _ = tx.send(Finished { req, rank, result });
+                });
+            }
+            Some(done) = done_rx.recv() => {
+                in_flight -= 1;
+                guards.remove(&done.req.id);
+                let measured = match done.result {
+                    Ok(m) => m,
+                    Err(_) => {
+                        outcome.errors += 1;
+                        continue;
+                    }
+                };
+                let rank = measured.served_rank.unwrap_or(done.rank);
+                if outcome.routed_per_rank.len() <= rank {
+                    outcome.routed_per_rank.resize(rank + 1, 0);
+                }
+                outcome.routed_per_rank[rank] += 1;
+                let finish = to_virtual(measured.finish);
+                outcome.records.push(RequestRecord {
+                    id: done.req.id,
+                    group: done.req.group,
+                    rank,
+                    branch: dprouter_core::Branch::Turn,
+                    arrival: done.req.arrival,
+                    first_token: to_virtual(measured.first_token).max(done.req.arrival),
+                    finish: finish.max(done.req.arrival),
+                    prompt_tokens: done.req.tokens.len(),
+                    cached_tokens: measured.cached_tokens,
+                });
+                if let Some(next) = workload.on_finish(&done.req, &measured.output_ids, finish) {
+                    delayed.push(next);
+                }
+            }
+        }
+    }
+    if let Some(err) = workload.take_error() {
+        return Err(err.into());
+    }
+    Ok(outcome)
+}
+
+/// Sends one streaming `/generate` request and reads it to the end.
+async fn send(client: &HttpClient, url: hyper::Uri, body: Value) -> Result<Measured, String> {
+    let request = Request::post(url)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| e.to_string())?;
+    let mut response = client.request(request).await.map_err(|e| e.to_string())?;
+    if response.status() != StatusCode::OK {
+        return Err(format!("status {}", response.status()));
+    }
+    let mut first_token = None;
+    let mut buffer = Vec::new();
+    while let Some(frame) = response.body_mut().frame().await {
+        let frame = frame.map_err(|e| e.to_string())?;
+        if let Ok(data) = frame.into_data() {
+            first_token.get_or_insert_with(Instant::now);
+            buffer.extend_from_slice(&data);
+        }
+    }
+    let finish = Instant::now();
+    let text = String::from_utf8_lossy(&buffer);
+    if !text.trim_end().ends_with("data: [DONE]") {
+        return Err("the stream ended without [DONE]".into());
+    }
+    let last: Value = text
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter(|e| *e != "[DONE]")
+        .last()
+        .and_then(|e| serde_json::from_str(e).ok())
+        .ok_or("no data events")?;
+    let meta = &last["meta_info"];
+    Ok(Measured {
+        first_token: first_token.unwrap_or(finish),
+        finish,
+        cached_tokens: meta["cached_tokens"].as_u64().unwrap_or(0) as usize,
+        served_rank: meta["dp_rank"].as_u64().map(|r| r as usize),
+        output_ids: last["output_ids"]
+            .as_array()
+            .map(|ids| ids.iter().filter_map(|v| v.as_u64().map(|id| id as u32)).collect())
+            .unwrap_or_default(),
+    })
+}

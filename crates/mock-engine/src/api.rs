@@ -1,0 +1,459 @@
+//! HTTP routes with SGLang's (and OpenAI's) request and response shapes.
+//!
+//! Generation: `POST /generate` (SGLang native), `/v1/chat/completions`, `/v1/completions`, streaming (`data: {...}`
+//! events ending with `data: [DONE]`) or not. Every generation response carries the serving rank in the
+//! `x-dp-rank` header (and `/generate` in `meta_info.dp_rank`). Control: `GET /health`, `/health_generate`,
+//! `/get_server_info`, `/get_load`, `/v1/models`, `POST /flush_cache`.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use dprouter_core::prompt::{parse_request, render_chat};
+use dprouter_core::Prompt;
+use futures_util::stream;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::engine::{Api, Emit, Engine, Refusal};
+use crate::tokenizer::encode;
+use dprouter_sim::tokens::mix;
+
+/// The header naming the rank that served a response.
+pub const SERVED_RANK_HEADER: &str = "x-dp-rank";
+
+#[derive(Clone)]
+struct AppState {
+    engine: Arc<Engine>,
+    started: Instant,
+    next_id: Arc<AtomicU64>,
+}
+
+/// The mock engine's routes.
+pub fn router(engine: Arc<Engine>) -> Router {
+    let state = AppState {
+        engine,
+        started: Instant::now(),
+        next_id: Arc::new(AtomicU64::new(0)),
+    };
+    Router::new()
+        .route("/generate", post(generate))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/health_generate", get(health))
+        .route("/get_server_info", get(server_info))
+        .route("/server_info", get(server_info))
+        .route("/get_load", get(get_load))
+        .route("/v1/models", get(models))
+        .route("/flush_cache", post(flush_cache))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    let kind = if status.is_client_error() {
+        "BadRequestError"
+    } else {
+        "InternalServerError"
+    };
+    let body = json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
+    (status, Json(body)).into_response()
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "no such route")
+}
+
+async fn health(State(s): State<AppState>) -> StatusCode {
+    if s.engine.config().faults.unhealthy {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    }
+}
+
+async fn server_info(State(s): State<AppState>) -> Json<Value> {
+    let c = s.engine.config();
+    Json(json!({
+        "dp_size": c.dp_size,
+        "page_size": c.cost.page_size,
+        "max_total_num_tokens": c.cost.kv_capacity,
+        "model_path": c.model,
+        "served_model_name": c.model,
+        "api": match c.api { Api::Sglang => "sglang", Api::Vllm => "vllm" },
+        "time_scale": c.time_scale,
+        "cost": c.cost,
+        "aborted_requests": s.engine.aborted(),
+        "completed_requests": s.engine.completed(),
+    }))
+}
+
+async fn get_load(State(s): State<AppState>) -> Json<Value> {
+    let tic = s.started.elapsed().as_secs_f64();
+    let ranks: Vec<Value> = s
+        .engine
+        .load()
+        .iter()
+        .enumerate()
+        .map(|(rank, l)| {
+            json!({
+                "dp_rank": rank,
+                "num_reqs": l.running + l.waiting,
+                "num_waiting_reqs": l.waiting,
+                "num_tokens": l.used_tokens,
+                "num_pending_tokens": l.pending_tokens,
+                "ts_tic": tic,
+            })
+        })
+        .collect();
+    Json(Value::Array(ranks))
+}
+
+async fn models(State(s): State<AppState>) -> Json<Value> {
+    let created = unix_time();
+    Json(
+        json!({"object": "list", "data": [{"id": s.engine.config().model, "object": "model", "created": created, "owned_by": "dprouter-mock"}]}),
+    )
+}
+
+async fn flush_cache(State(s): State<AppState>) -> &'static str {
+    s.engine.flush_cache();
+    "Cache flushed.\n"
+}
+
+fn unix_time() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Generate,
+    Chat,
+    Completion,
+}
+
+/// One generation request, parsed.
+struct Job {
+    kind: Kind,
+    tokens: Vec<u32>,
+    max_new_tokens: u32,
+    stream: bool,
+    include_usage: bool,
+    rank_override: Option<i64>,
+}
+
+fn bad(message: impl Into<String>) -> Response {
+    error(StatusCode::BAD_REQUEST, message)
+}
+
+fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8]) -> Result<Job, String> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let req = parse_request(&value).map_err(|e| e.to_string())?;
+    let tokens = match (&req.prompt, kind) {
+        (Prompt::Tokens(ids), _) => ids.clone(),
+        (Prompt::Bytes(_), Kind::Chat) => {
+            // The fixed chat template: the canonical rendering plus the generation prompt.
+            let mut text = render_chat(value.get("tools").filter(|t| !t.is_null()), &value["messages"])
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .map_err(|e| e.to_string())?;
+            text.push_str("<|assistant|>\n");
+            encode(&text)
+        }
+        (Prompt::Bytes(b), _) => encode(&String::from_utf8_lossy(b)),
+    };
+    let max = match kind {
+        Kind::Generate => value.pointer("/sampling_params/max_new_tokens"),
+        Kind::Chat => value
+            .get("max_completion_tokens")
+            .filter(|v| !v.is_null())
+            .or(value.get("max_tokens")),
+        Kind::Completion => value.get("max_tokens"),
+    };
+    let max_new_tokens = match max.filter(|v| !v.is_null()) {
+        None => {
+            if kind == Kind::Completion {
+                16
+            } else {
+                128
+            }
+        }
+        Some(v) => v
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .filter(|&n| n >= 1)
+            .ok_or("the maximum number of new tokens must be an integer >= 1")?,
+    };
+    let rank_override = match api {
+        Api::Sglang => {
+            let header = headers.get("x-data-parallel-rank").filter(|_| kind != Kind::Generate);
+            match header {
+                Some(h) => Some(
+                    h.to_str()
+                        .ok()
+                        .and_then(|s| s.trim().parse::<i64>().ok())
+                        .ok_or("X-Data-Parallel-Rank must be an integer")?,
+                ),
+                None => req.rank_override,
+            }
+        }
+        // vLLM reads only the header and ignores a value it cannot parse.
+        Api::Vllm => headers
+            .get("x-data-parallel-rank")
+            .and_then(|h| h.to_str().ok())
+            .and_then(|s| s.trim().parse::<i64>().ok()),
+    };
+    Ok(Job {
+        kind,
+        tokens,
+        max_new_tokens,
+        stream: value.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        include_usage: value
+            .pointer("/stream_options/include_usage")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        rank_override,
+    })
+}
+
+async fn generate(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    serve_job(s, Kind::Generate, &headers, &body).await
+}
+
+async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    serve_job(s, Kind::Chat, &headers, &body).await
+}
+
+async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    serve_job(s, Kind::Completion, &headers, &body).await
+}
+
+async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
+    let job = match parse_job(kind, s.engine.config().api, headers, body) {
+        Ok(job) => job,
+        Err(message) => return bad(message),
+    };
+    let rank = match s.engine.admit(job.rank_override) {
+        Ok(rank) => rank,
+        Err(refusal @ Refusal::RankNotActive(_)) => return bad(refusal.to_string()),
+        Err(refusal @ Refusal::Internal) => return error(StatusCode::INTERNAL_SERVER_ERROR, refusal.to_string()),
+        Err(refusal) => return error(StatusCode::SERVICE_UNAVAILABLE, refusal.to_string()),
+    };
+    let id = s.next_id.fetch_add(1, Relaxed);
+    let (tx, rx) = mpsc::channel(64);
+    // Greedy decoding: the same prompt always gets the same answer.
+    let seed = job
+        .tokens
+        .iter()
+        .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
+    tokio::spawn(Arc::clone(&s.engine).run(rank, job.tokens.clone(), job.max_new_tokens, seed, job.stream, tx));
+    let render = Renderer {
+        kind: job.kind,
+        id: format!("{id:x}"),
+        model: s.engine.config().model.clone(),
+        created: unix_time(),
+        rank,
+        include_usage: job.include_usage,
+        text: String::new(),
+        output_ids: Vec::new(),
+        prompt_tokens: 0,
+        cached_tokens: 0,
+        completion_tokens: 0,
+    };
+    let mut response = if job.stream {
+        stream_response(render, rx)
+    } else {
+        whole_response(render, rx).await
+    };
+    response
+        .headers_mut()
+        .insert(SERVED_RANK_HEADER, HeaderValue::from(rank));
+    response
+}
+
+/// Builds response bodies in the shape of the request's API.
+struct Renderer {
+    kind: Kind,
+    id: String,
+    model: String,
+    created: u64,
+    rank: usize,
+    include_usage: bool,
+    text: String,
+    output_ids: Vec<u32>,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: u32,
+}
+
+impl Renderer {
+    fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens as usize,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+
+    fn meta_info(&self, finished: bool) -> Value {
+        let finish = finished.then(|| json!({"type": "length", "length": self.completion_tokens}));
+        json!({
+            "id": self.id,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "dp_rank": self.rank,
+            "finish_reason": finish,
+        })
+    }
+
+    /// Records one emitted event; returns the text it added.
+    fn absorb(&mut self, emit: &Emit) -> Option<String> {
+        match emit {
+            Emit::First {
+                text,
+                token,
+                prompt_tokens,
+                cached_tokens,
+            } => {
+                self.prompt_tokens = *prompt_tokens;
+                self.cached_tokens = *cached_tokens;
+                self.completion_tokens = 1;
+                self.text.push_str(text);
+                self.output_ids.push(*token);
+                Some(text.clone())
+            }
+            Emit::Token { text, token } => {
+                self.completion_tokens += 1;
+                self.text.push_str(text);
+                self.output_ids.push(*token);
+                Some(text.clone())
+            }
+            Emit::Done { completion_tokens } => {
+                self.completion_tokens = *completion_tokens;
+                None
+            }
+            Emit::Drop => None,
+        }
+    }
+
+    fn chunk(&self, delta: Option<&str>, first: bool, finished: bool) -> Value {
+        let finish_reason = if finished { json!("length") } else { Value::Null };
+        match self.kind {
+            Kind::Generate if finished => {
+                json!({"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(true), "index": 0})
+            }
+            Kind::Generate => json!({"text": self.text, "meta_info": self.meta_info(false), "index": 0}),
+            Kind::Chat => {
+                let delta = match (delta, first) {
+                    (Some(d), true) => json!({"role": "assistant", "content": d}),
+                    (Some(d), false) => json!({"content": d}),
+                    (None, _) => json!({}),
+                };
+                json!({"id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk", "created": self.created,
+                       "model": self.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
+            }
+            Kind::Completion => {
+                json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
+                       "model": self.model, "choices": [{"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish_reason}]})
+            }
+        }
+    }
+
+    fn usage_chunk(&self) -> Value {
+        let (object, id) = if self.kind == Kind::Chat {
+            ("chat.completion.chunk", format!("chatcmpl-{}", self.id))
+        } else {
+            ("text_completion", format!("cmpl-{}", self.id))
+        };
+        json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": self.usage()})
+    }
+
+    fn whole(&self) -> Value {
+        match self.kind {
+            Kind::Generate => {
+                json!({"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(true)})
+            }
+            Kind::Chat => {
+                json!({"id": format!("chatcmpl-{}", self.id), "object": "chat.completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": self.text}, "finish_reason": "length"}],
+                "usage": self.usage()})
+            }
+            Kind::Completion => {
+                json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": [{"index": 0, "text": self.text, "logprobs": null, "finish_reason": "length"}],
+                "usage": self.usage()})
+            }
+        }
+    }
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<Emit>) -> Response {
+    while let Some(emit) = rx.recv().await {
+        if let Emit::Done { .. } = emit {
+            render.absorb(&emit);
+            return Json(render.whole()).into_response();
+        }
+        render.absorb(&emit);
+    }
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the request ended before it finished",
+    )
+}
+
+enum StreamState {
+    Running(Renderer, mpsc::Receiver<Emit>, bool),
+    Ended,
+}
+
+fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
+    let events = stream::unfold(StreamState::Running(render, rx, true), |state| async move {
+        let StreamState::Running(mut render, mut rx, first) = state else {
+            return None;
+        };
+        let emit = rx.recv().await?;
+        match emit {
+            Emit::Drop => Some((
+                Err(std::io::Error::other("injected fault: connection dropped")),
+                StreamState::Ended,
+            )),
+            Emit::Done { .. } => {
+                render.absorb(&emit);
+                let mut out = sse(&render.chunk(None, false, true)).to_vec();
+                if render.include_usage && render.kind != Kind::Generate {
+                    out.extend_from_slice(&sse(&render.usage_chunk()));
+                }
+                out.extend_from_slice(b"data: [DONE]\n\n");
+                Some((Ok(Bytes::from(out)), StreamState::Ended))
+            }
+            _ => {
+                let delta = render.absorb(&emit);
+                let chunk = sse(&render.chunk(delta.as_deref(), first, false));
+                Some((Ok(chunk), StreamState::Running(render, rx, false)))
+            }
+        }
+    });
+    let mut response = Response::new(Body::from_stream(events));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    response
+        .headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}

@@ -1,0 +1,418 @@
+//! The engine behind the mock server: DP ranks with radix caches and the simulator's cost model, in scaled real
+//! time.
+//!
+//! A request on a rank waits for the rank's prefill server (a FIFO lock: first come first served), matches its prompt
+//! against the rank's [`RadixCache`] and pins the hit, sleeps `(base + uncached / prefill_rate) · time_scale`, caches
+//! the prompt and emits its first token; then emits one token per `tpot · (1 + slowdown · (running − 1)) ·
+//! time_scale`, and finally caches prompt + answer and releases the pin. Each request runs in its own task and sends
+//! [`Emit`] events to its HTTP response; when the response is dropped (the client went away) the task notices at its
+//! next wait, undoes its accounting and counts an abort, as SGLang aborts a disconnected request.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use dprouter_core::policy::RoundRobin;
+use dprouter_core::{route, RouteRequest, Snapshot};
+use dprouter_sim::radix::{LockId, RadixCache};
+use dprouter_sim::tokens::mix;
+use dprouter_sim::CostModel;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use crate::tokenizer::{output_token, output_word};
+
+/// Which server's rank-targeting rules the mock follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// SGLang: body `routed_dp_rank` (or deprecated `data_parallel_rank`), header `X-Data-Parallel-Rank` on `/v1/*`.
+    Sglang,
+    /// vLLM: header `X-data-parallel-rank` only; an unparsable value is ignored.
+    Vllm,
+}
+
+/// Failures to inject, for testing what sits in front of the engine.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Faults {
+    /// Fraction of generation requests answered `500 Internal Server Error` at once.
+    pub error_rate: f64,
+    /// Fraction of generation requests answered `503 Service Unavailable` at once.
+    pub unavailable_rate: f64,
+    /// Streaming responses break the connection after this many tokens.
+    pub drop_after_tokens: Option<u32>,
+    /// Delay before the first response byte of every generation request (added to TTFT).
+    pub first_byte_delay: Duration,
+    /// Ranks that failed to start: skipped by the engine's own round robin, requests pinned to them get 503.
+    pub dead_ranks: Vec<u32>,
+    /// `/health` answers 503.
+    pub unhealthy: bool,
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub dp_size: u32,
+    pub cost: CostModel,
+    /// Real seconds per simulated second (0.01 runs 100x faster than the preset).
+    pub time_scale: f64,
+    pub api: Api,
+    pub model: String,
+    pub faults: Faults,
+    pub seed: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            dp_size: 1,
+            cost: CostModel::ZERO,
+            time_scale: 1.0,
+            api: Api::Sglang,
+            model: "dprouter/mock".into(),
+            faults: Faults::default(),
+            seed: 0,
+        }
+    }
+}
+
+/// What a request task tells its response.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Emit {
+    /// The first token, with the prompt accounting SGLang reports.
+    First {
+        text: String,
+        token: u32,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+    },
+    Token {
+        text: String,
+        token: u32,
+    },
+    /// The answer is complete.
+    Done {
+        completion_tokens: u32,
+    },
+    /// Injected fault: break the connection now.
+    Drop,
+}
+
+/// Per-rank load as `/get_load` reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankLoad {
+    pub running: u64,
+    pub waiting: u64,
+    pub used_tokens: u64,
+    pub pending_tokens: u64,
+}
+
+struct Rank {
+    cache: Mutex<RadixCache>,
+    prefill: tokio::sync::Mutex<()>,
+    waiting: AtomicU64,
+    running: AtomicU64,
+    pending_tokens: AtomicU64,
+}
+
+pub struct Engine {
+    config: EngineConfig,
+    ranks: Vec<Rank>,
+    snapshot: Snapshot,
+    round_robin: RoundRobin,
+    requests: AtomicU64,
+    aborted: AtomicU64,
+    completed: AtomicU64,
+}
+
+/// Why a request was refused before it started.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("DP rank {0} is not active.")]
+    RankNotActive(i64),
+    #[error("DP rank {0} failed to start")]
+    RankDead(u32),
+    #[error("injected fault: internal error")]
+    Internal,
+    #[error("injected fault: service unavailable")]
+    Unavailable,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Arc<Self> {
+        let ranks = (0..config.dp_size)
+            .map(|_| Rank {
+                cache: Mutex::new(RadixCache::new(config.cost.kv_capacity, config.cost.page_size)),
+                prefill: tokio::sync::Mutex::new(()),
+                waiting: AtomicU64::new(0),
+                running: AtomicU64::new(0),
+                pending_tokens: AtomicU64::new(0),
+            })
+            .collect();
+        let dead = config.faults.dead_ranks.clone();
+        let snapshot = Snapshot::single_worker(config.dp_size).with_health(|i, _| !dead.contains(&(i as u32)));
+        Arc::new(Self {
+            config,
+            ranks,
+            snapshot,
+            round_robin: RoundRobin::default(),
+            requests: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
+            completed: AtomicU64::new(0),
+        })
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Requests aborted because their client disconnected.
+    pub fn aborted(&self) -> u64 {
+        self.aborted.load(Relaxed)
+    }
+
+    pub fn completed(&self) -> u64 {
+        self.completed.load(Relaxed)
+    }
+
+    pub fn load(&self) -> Vec<RankLoad> {
+        self.ranks
+            .iter()
+            .map(|r| {
+                let pending = r.pending_tokens.load(Relaxed);
+                RankLoad {
+                    running: r.running.load(Relaxed),
+                    waiting: r.waiting.load(Relaxed),
+                    used_tokens: lock(&r.cache).locked_size() as u64 + pending,
+                    pending_tokens: pending,
+                }
+            })
+            .collect()
+    }
+
+    /// Evicts every unpinned cached token on every rank.
+    pub fn flush_cache(&self) {
+        for r in &self.ranks {
+            lock(&r.cache).flush();
+        }
+    }
+
+    /// Picks the serving rank (the override if any, else round robin over live ranks) and applies injected faults.
+    pub fn admit(&self, rank_override: Option<i64>) -> Result<usize, Refusal> {
+        let n = self.requests.fetch_add(1, Relaxed);
+        let rank = match rank_override {
+            Some(r) => {
+                let rank = usize::try_from(r)
+                    .ok()
+                    .filter(|&i| i < self.ranks.len())
+                    .ok_or(Refusal::RankNotActive(r))?;
+                if self.config.faults.dead_ranks.contains(&(rank as u32)) {
+                    return Err(Refusal::RankDead(rank as u32));
+                }
+                rank
+            }
+            None => {
+                let req = RouteRequest::tokens(Vec::new());
+                route(&self.round_robin, &self.snapshot, &req)
+                    .map_err(|_| Refusal::Unavailable)?
+                    .rank
+            }
+        };
+        let draw = (mix(self.config.seed ^ mix(n)) >> 11) as f64 / (1u64 << 53) as f64;
+        let faults = &self.config.faults;
+        if draw < faults.error_rate {
+            return Err(Refusal::Internal);
+        }
+        if draw < faults.error_rate + faults.unavailable_rate {
+            return Err(Refusal::Unavailable);
+        }
+        Ok(rank)
+    }
+
+    fn scaled(&self, seconds_micros: u64) -> Duration {
+        Duration::from_secs_f64(seconds_micros as f64 / 1e6 * self.config.time_scale.max(0.0))
+    }
+
+    /// Runs one request on `rank` to completion or until `tx`'s receiver is dropped. `seed` names the answer.
+    pub async fn run(
+        self: Arc<Self>,
+        rank: usize,
+        tokens: Vec<u32>,
+        max_new_tokens: u32,
+        seed: u64,
+        streaming: bool,
+        tx: mpsc::Sender<Emit>,
+    ) {
+        let mut slot = Slot::new(Arc::clone(&self), rank, tokens.len() as u64);
+        let r = &self.ranks[rank];
+        let delay = self.config.faults.first_byte_delay;
+        if !delay.is_zero() && !wait(tokio::time::sleep(delay), &tx).await {
+            return;
+        }
+        let prefill_turn = tokio::select! {
+            turn = r.prefill.lock() => turn,
+            _ = tx.closed() => return,
+        };
+        slot.start_prefill();
+        let cached = {
+            let mut cache = lock(&r.cache);
+            let cached = cache.match_prefix(&tokens);
+            slot.pin = Some(cache.lock(&tokens, cached));
+            cached
+        };
+        let service = self.scaled(self.config.cost.prefill(tokens.len() - cached));
+        if !service.is_zero() && !wait(tokio::time::sleep(service), &tx).await {
+            return;
+        }
+        {
+            let mut cache = lock(&r.cache);
+            cache.insert(&tokens);
+            let pin = cache.lock(&tokens, tokens.len());
+            if let Some(old) = slot.pin.replace(pin) {
+                cache.unlock(old);
+            }
+        }
+        slot.end_prefill();
+        drop(prefill_turn);
+
+        let first = Emit::First {
+            text: output_word(seed, 0),
+            token: output_token(seed, 0),
+            prompt_tokens: tokens.len(),
+            cached_tokens: cached,
+        };
+        if tx.send(first).await.is_err() {
+            return;
+        }
+        let started = Instant::now();
+        let per_token = self.scaled(self.config.cost.decode(2, r.running.load(Relaxed) as usize));
+        let drop_after = if streaming {
+            self.config.faults.drop_after_tokens
+        } else {
+            None
+        };
+        for i in 1..u64::from(max_new_tokens) {
+            if drop_after.is_some_and(|k| i >= u64::from(k)) {
+                let _ = tx.send(Emit::Drop).await;
+                return;
+            }
+            let due = started + per_token.mul_f64(i as f64);
+            // Timers tick in milliseconds: sleep only when at least one is due, and emit what is late at once.
+            if due > Instant::now() + Duration::from_millis(1) && !wait(tokio::time::sleep_until(due), &tx).await {
+                return;
+            }
+            if tx
+                .send(Emit::Token {
+                    text: output_word(seed, i),
+                    token: output_token(seed, i),
+                })
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let mut answer = tokens;
+        answer.extend((0..u64::from(max_new_tokens)).map(|i| output_token(seed, i)));
+        {
+            let mut cache = lock(&r.cache);
+            cache.insert(&answer);
+            if let Some(pin) = slot.pin.take() {
+                cache.unlock(pin);
+            }
+        }
+        slot.finish();
+        let _ = tx
+            .send(Emit::Done {
+                completion_tokens: max_new_tokens,
+            })
+            .await;
+    }
+}
+
+/// Waits for `fut` unless the receiver goes away first; false when it did.
+async fn wait(fut: impl std::future::Future<Output = ()>, tx: &mpsc::Sender<Emit>) -> bool {
+    tokio::select! {
+        _ = fut => true,
+        _ = tx.closed() => false,
+    }
+}
+
+/// One request's share of its rank's counters and cache pin, undone exactly once whatever path the request takes.
+struct Slot {
+    engine: Arc<Engine>,
+    rank: usize,
+    prompt_tokens: u64,
+    stage: Stage,
+    pin: Option<LockId>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    Waiting,
+    Prefilling,
+    Decoding,
+    Finished,
+}
+
+impl Slot {
+    fn new(engine: Arc<Engine>, rank: usize, prompt_tokens: u64) -> Self {
+        let r = &engine.ranks[rank];
+        r.waiting.fetch_add(1, Relaxed);
+        r.pending_tokens.fetch_add(prompt_tokens, Relaxed);
+        Self {
+            engine,
+            rank,
+            prompt_tokens,
+            stage: Stage::Waiting,
+            pin: None,
+        }
+    }
+
+    fn rank(&self) -> &Rank {
+        &self.engine.ranks[self.rank]
+    }
+
+    fn start_prefill(&mut self) {
+        self.rank().waiting.fetch_sub(1, Relaxed);
+        self.rank().running.fetch_add(1, Relaxed);
+        self.stage = Stage::Prefilling;
+    }
+
+    fn end_prefill(&mut self) {
+        self.rank().pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        self.stage = Stage::Decoding;
+    }
+
+    fn finish(&mut self) {
+        self.rank().running.fetch_sub(1, Relaxed);
+        self.engine.completed.fetch_add(1, Relaxed);
+        self.stage = Stage::Finished;
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let r = &self.engine.ranks[self.rank];
+        match self.stage {
+            Stage::Finished => return,
+            Stage::Waiting => {
+                r.waiting.fetch_sub(1, Relaxed);
+                r.pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+            }
+            Stage::Prefilling => {
+                r.running.fetch_sub(1, Relaxed);
+                r.pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+            }
+            Stage::Decoding => {
+                r.running.fetch_sub(1, Relaxed);
+            }
+        }
+        if let Some(pin) = self.pin.take() {
+            lock(&r.cache).unlock(pin);
+        }
+        self.engine.aborted.fetch_add(1, Relaxed);
+    }
+}

@@ -1,0 +1,33 @@
+//! `dprouter mock-engine`: an HTTP server that behaves like SGLang launched with `--dp-size N` (or a vLLM DP
+//! deployment), with each rank's radix cache and timing taken from the simulator's model, in scaled real time.
+//!
+//! For the gateway's tests, CI, demos and HTTP benchmarks on machines without GPUs. Start it in-process with
+//! [`serve`] on a listener bound to `127.0.0.1:0`.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::serve::ListenerExt;
+use tokio::net::TcpListener;
+
+pub mod api;
+pub mod engine;
+pub mod tokenizer;
+
+pub use api::{router, SERVED_RANK_HEADER};
+pub use engine::{Api, Engine, EngineConfig, Faults};
+
+/// Serves `engine` on `listener` until `shutdown` completes (in-flight requests finish first).
+pub async fn serve(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    // Small SSE events must not wait for Nagle's algorithm.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
+    axum::serve(listener, router(engine))
+        .with_graceful_shutdown(shutdown)
+        .await
+}

@@ -1,0 +1,66 @@
+//! Engine cost options shared by `simulate` and `mock-engine`: a preset plus per-field overrides.
+
+use anyhow::Context;
+use clap::Args;
+use dprouter_sim::CostModel;
+
+#[derive(Debug, Clone, Args)]
+pub struct CostArgs {
+    /// Engine cost preset: seed-moe, h100-8b or zero.
+    #[arg(long, default_value = "h100-8b", value_parser = parse_preset)]
+    pub preset: String,
+    /// KV cache capacity per rank, tokens.
+    #[arg(long)]
+    kv_capacity: Option<usize>,
+    /// Fixed part of each prefill, milliseconds.
+    #[arg(long)]
+    base_ms: Option<f64>,
+    /// Prefill throughput per rank, tokens per second.
+    #[arg(long)]
+    prefill_rate: Option<f64>,
+    /// Time per output token, milliseconds.
+    #[arg(long)]
+    tpot_ms: Option<f64>,
+    /// Decode slowdown per additional running request.
+    #[arg(long)]
+    decode_slowdown: Option<f64>,
+    /// Radix cache page size, tokens.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    page_size: Option<u64>,
+}
+
+fn parse_preset(name: &str) -> Result<String, String> {
+    match CostModel::preset(name) {
+        Some(_) => Ok(name.into()),
+        None => Err(format!(
+            "unknown preset `{name}`; expected one of: {}",
+            CostModel::PRESETS.join(", ")
+        )),
+    }
+}
+
+impl CostArgs {
+    /// The preset with the overrides applied.
+    pub fn model(&self) -> anyhow::Result<CostModel> {
+        let mut cost = CostModel::preset(&self.preset).context("unknown preset")?;
+        if let Some(v) = self.kv_capacity {
+            cost.kv_capacity = v;
+        }
+        if let Some(v) = self.base_ms {
+            cost.base_s = v / 1000.0;
+        }
+        if let Some(v) = self.prefill_rate {
+            cost.prefill_tokens_per_s = v;
+        }
+        if let Some(v) = self.tpot_ms {
+            cost.tpot_s = v / 1000.0;
+        }
+        if let Some(v) = self.decode_slowdown {
+            cost.decode_slowdown = v;
+        }
+        if let Some(v) = self.page_size {
+            cost.page_size = usize::try_from(v).context("page size too large")?;
+        }
+        Ok(cost)
+    }
+}

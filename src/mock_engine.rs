@@ -1,0 +1,130 @@
+//! `dprouter mock-engine`: an SGLang-compatible engine over the simulator, for tests, demos and benchmarks.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use dprouter_mock_engine::{serve, Api, Engine, EngineConfig, Faults};
+
+use crate::cost_args::CostArgs;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ApiArg {
+    Sglang,
+    Vllm,
+}
+
+#[derive(Debug, Args)]
+pub struct MockEngineArgs {
+    /// Address to listen on; port 0 picks a free port (the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:30000")]
+    listen: SocketAddr,
+    /// Number of data-parallel ranks.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    dp_size: u32,
+    #[command(flatten)]
+    cost: CostArgs,
+    /// Real seconds per simulated second (0.01 runs 100x faster than the preset).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Rank targeting rules: sglang (body routed_dp_rank, header on /v1/*) or vllm (header only).
+    #[arg(long, value_enum, default_value = "sglang")]
+    api: ApiArg,
+    /// Model name reported by /v1/models and responses.
+    #[arg(long, default_value = "dprouter/mock")]
+    model: String,
+    /// Seed of the generated answers and fault draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Fault: fraction of generation requests answered 500 at once.
+    #[arg(long, default_value_t = 0.0)]
+    error_rate: f64,
+    /// Fault: fraction of generation requests answered 503 at once.
+    #[arg(long, default_value_t = 0.0)]
+    unavailable_rate: f64,
+    /// Fault: break streaming connections after this many tokens.
+    #[arg(long)]
+    drop_after_tokens: Option<u32>,
+    /// Fault: delay the first byte of every generation response, milliseconds (real time).
+    #[arg(long, default_value_t = 0)]
+    first_byte_delay_ms: u64,
+    /// Fault: this rank failed to start (repeatable); requests pinned to it get 503.
+    #[arg(long = "dead-rank")]
+    dead_ranks: Vec<u32>,
+    /// Fault: /health answers 503.
+    #[arg(long)]
+    unhealthy: bool,
+}
+
+impl MockEngineArgs {
+    pub fn engine_config(&self) -> anyhow::Result<EngineConfig> {
+        anyhow::ensure!(
+            self.time_scale >= 0.0 && self.time_scale.is_finite(),
+            "--time-scale must be >= 0"
+        );
+        for rate in [self.error_rate, self.unavailable_rate] {
+            anyhow::ensure!((0.0..=1.0).contains(&rate), "fault rates must be within [0, 1]");
+        }
+        Ok(EngineConfig {
+            dp_size: self.dp_size,
+            cost: self.cost.model()?,
+            time_scale: self.time_scale,
+            api: match self.api {
+                ApiArg::Sglang => Api::Sglang,
+                ApiArg::Vllm => Api::Vllm,
+            },
+            model: self.model.clone(),
+            faults: Faults {
+                error_rate: self.error_rate,
+                unavailable_rate: self.unavailable_rate,
+                drop_after_tokens: self.drop_after_tokens,
+                first_byte_delay: Duration::from_millis(self.first_byte_delay_ms),
+                dead_ranks: self.dead_ranks.clone(),
+                unhealthy: self.unhealthy,
+            },
+            seed: self.seed,
+        })
+    }
+}
+
+pub fn run(args: MockEngineArgs) -> anyhow::Result<ExitCode> {
+    let config = args.engine_config()?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let listener =
+            tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "dprouter mock-engine listening on http://{addr}")?;
+        out.flush()?;
+        drop(out);
+        tracing::info!(%addr, dp_size = config.dp_size, preset = %args.cost.preset, time_scale = config.time_scale, "mock engine started");
+        serve(listener, Engine::new(config), shutdown_signal()).await.context("serving")?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
