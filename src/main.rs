@@ -1,5 +1,6 @@
 //! The `dprouter` binary: one subcommand per job, each in its own module.
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -8,6 +9,7 @@ mod bench;
 mod cost_args;
 mod mock_engine;
 mod route;
+mod serve;
 mod simulate;
 
 /// dprouter: a cache-aware data-parallel load balancer for LLM serving.
@@ -20,6 +22,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the gateway (fronting an embedded mock engine when no worker is given).
+    Serve(serve::ServeArgs),
     /// Route JSON Lines requests offline and print one decision per line.
     Route(route::RouteArgs),
     /// Compare policies on a workload over simulated DP ranks, in virtual time.
@@ -38,8 +42,10 @@ fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     let result = match cli.command {
+        Command::Serve(args) => serve::run(args),
         Command::Route(args) => route::run(args),
         Command::Simulate(args) => simulate::run(args),
         Command::MockEngine(args) => mock_engine::run(args),

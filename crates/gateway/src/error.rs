@@ -1,0 +1,116 @@
+//! The one place errors become HTTP responses: an OpenAI-style body `{"error": {"message", "type", "code"}}`.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use dprouter_core::prompt::PromptError;
+use dprouter_core::RouteError;
+use serde_json::json;
+
+/// An error the gateway answers with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("request body is larger than the limit of {limit} bytes")]
+    TooLarge { limit: usize },
+    #[error("unsupported content type `{0}`: send application/json")]
+    UnsupportedMediaType(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("missing or wrong admin key")]
+    Unauthorized,
+    #[error(transparent)]
+    Route(#[from] RouteError),
+    #[error("upstream {endpoint} failed: {message}")]
+    Upstream { endpoint: String, message: String },
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+impl From<PromptError> for ApiError {
+    fn from(e: PromptError) -> Self {
+        ApiError::BadRequest(e.to_string())
+    }
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Route(e) if e.is_client_error() => StatusCode::BAD_REQUEST,
+            ApiError::Route(_) | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self.status() {
+            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
+                "invalid_request_error"
+            }
+            StatusCode::NOT_FOUND => "not_found_error",
+            StatusCode::UNAUTHORIZED => "authentication_error",
+            StatusCode::BAD_GATEWAY => "upstream_error",
+            _ => "service_unavailable_error",
+        }
+    }
+
+    /// The JSON body for this error.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.to_string(), "type": self.kind(), "code": self.status().as_u16()}})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status(), Json(self.body())).into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_bodies() {
+        let cases = [
+            (ApiError::BadRequest("x".into()), 400, "invalid_request_error"),
+            (ApiError::TooLarge { limit: 10 }, 413, "invalid_request_error"),
+            (
+                ApiError::UnsupportedMediaType("text/plain".into()),
+                415,
+                "invalid_request_error",
+            ),
+            (ApiError::NotFound("x".into()), 404, "not_found_error"),
+            (ApiError::Unauthorized, 401, "authentication_error"),
+            (
+                RouteError::OverrideOutOfRange { rank: 9, size: 4 }.into(),
+                400,
+                "invalid_request_error",
+            ),
+            (RouteError::NoHealthyEndpoint.into(), 503, "service_unavailable_error"),
+            (
+                ApiError::Upstream {
+                    endpoint: "w0r1".into(),
+                    message: "reset".into(),
+                },
+                502,
+                "upstream_error",
+            ),
+        ];
+        for (err, status, kind) in cases {
+            assert_eq!(err.status().as_u16(), status, "{err}");
+            let body = err.body();
+            assert_eq!(
+                (body["error"]["code"].as_u64(), body["error"]["type"].as_str()),
+                (Some(u64::from(status)), Some(kind))
+            );
+            assert_eq!(body["error"]["message"], err.to_string());
+        }
+    }
+}

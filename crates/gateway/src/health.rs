@@ -1,0 +1,118 @@
+//! Background work, owned by the supervisor: active health probes and SGLang load polling.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dprouter_core::EngineReport;
+use futures_util::future::join_all;
+use serde_json::Value;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::Backend;
+use crate::state::AppState;
+
+/// Starts the background tasks; they stop when `stop` turns true.
+pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    let mut tasks = vec![tokio::spawn(probe_loop(Arc::clone(&state), stop.clone()))];
+    if state.config.load.poll_interval_ms > 0 {
+        tasks.push(tokio::spawn(load_loop(state, stop)));
+    }
+    tasks
+}
+
+/// Runs `round` every `interval` until stopped.
+async fn every<F, Fut>(interval: Duration, mut stop: watch::Receiver<bool>, mut round: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => round().await,
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() {
+            return;
+        }
+    }
+}
+
+async fn probe_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
+    let health = state.config.health.clone();
+    let timeout = Duration::from_millis(health.timeout_ms);
+    every(Duration::from_millis(health.interval_ms), stop, || {
+        let state = Arc::clone(&state);
+        async move {
+            let workers = state.registry.workers();
+            let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
+            for (w, ok) in workers.iter().zip(results) {
+                state.registry.record_probe(w.id, ok);
+            }
+        }
+    })
+    .await;
+}
+
+async fn load_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
+    let interval = Duration::from_millis(state.config.load.poll_interval_ms);
+    let timeout = Duration::from_millis(state.config.health.timeout_ms);
+    every(interval, stop, || {
+        let state = Arc::clone(&state);
+        async move {
+            let workers: Vec<_> = state
+                .registry
+                .workers()
+                .into_iter()
+                .filter(|w| w.backend == Backend::Sglang)
+                .collect();
+            let urls: Vec<String> = workers.iter().map(|w| format!("{}/get_load", w.url)).collect();
+            let answers = join_all(urls.iter().map(|u| state.upstream.get_json(u, timeout))).await;
+            for (w, answer) in workers.iter().zip(answers) {
+                let Ok(Value::Array(ranks)) = answer else { continue };
+                for rank in &ranks {
+                    let Some(report) = parse_report(rank) else { continue };
+                    let dp_rank = rank.get("dp_rank").and_then(Value::as_u64).unwrap_or(u64::MAX);
+                    if let Some(e) = w.endpoints.iter().find(|e| u64::from(e.id.dp_rank) == dp_rank) {
+                        e.load.apply_report(report);
+                    }
+                }
+            }
+        }
+    })
+    .await;
+}
+
+/// One element of SGLang's `/get_load` list.
+fn parse_report(rank: &Value) -> Option<EngineReport> {
+    Some(EngineReport {
+        requests: rank.get("num_reqs")?.as_u64()?,
+        waiting: rank.get("num_waiting_reqs").and_then(Value::as_u64).unwrap_or(0),
+        tokens: rank.get("num_tokens").and_then(Value::as_u64).unwrap_or(0),
+        // `ts_tic` is seconds as a float; keep microseconds.
+        timestamp: (rank.get("ts_tic")?.as_f64()? * 1e6) as u64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_sglang_load_entries() {
+        let v =
+            serde_json::json!({"dp_rank": 1, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 900, "ts_tic": 2.5});
+        assert_eq!(
+            parse_report(&v),
+            Some(EngineReport {
+                requests: 3,
+                waiting: 1,
+                tokens: 900,
+                timestamp: 2_500_000
+            })
+        );
+        assert_eq!(parse_report(&serde_json::json!({"dp_rank": 1})), None);
+    }
+}

@@ -1,0 +1,21 @@
+//! dprouter's gateway: an HTTP server that routes OpenAI (`/v1/chat/completions`, `/v1/completions`) and SGLang
+//! (`/generate`) requests to the data-parallel ranks of SGLang, vLLM or plain OpenAI-compatible workers, with a
+//! `core` policy, health checks, load accounting released on every path, and Prometheus metrics.
+//!
+//! Start in-process: `let state = AppState::new(config).await?; serve(listener, state, shutdown).await`.
+
+pub mod body;
+pub mod config;
+pub mod error;
+pub mod health;
+pub mod proxy;
+pub mod registry;
+pub mod server;
+pub mod state;
+pub mod telemetry;
+pub mod upstream;
+
+pub use config::{Backend, GatewayConfig, RankField, WorkerConfig};
+pub use error::ApiError;
+pub use server::{router, serve};
+pub use state::{AppState, StartError};

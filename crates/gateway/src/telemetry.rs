@@ -1,0 +1,61 @@
+//! Prometheus metrics: names, the process-wide recorder, and the per-scrape gauges.
+//!
+//! | metric | kind | labels |
+//! |---|---|---|
+//! | `dprouter_requests_total` | counter | `route`, `status` |
+//! | `dprouter_routing_decisions_total` | counter | `policy`, `branch` |
+//! | `dprouter_upstream_errors_total` | counter | `endpoint`, `kind` (`connect`, `server`, `status_5xx`, `stream`) |
+//! | `dprouter_retries_total` | counter | |
+//! | `dprouter_endpoint_in_flight_requests` | gauge | `endpoint` |
+//! | `dprouter_endpoint_healthy` | gauge | `endpoint` |
+//! | `dprouter_ttft_seconds` | histogram | `endpoint` (streaming responses: request received to first byte) |
+//! | `dprouter_request_duration_seconds` | histogram | `route` |
+//! | `dprouter_prompt_tokens_total`, `dprouter_cached_tokens_total` | counter | `endpoint` (from engine usage reports; their ratio is the observed cache hit rate) |
+
+use std::sync::OnceLock;
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::registry::Membership;
+
+pub const REQUESTS: &str = "dprouter_requests_total";
+pub const DECISIONS: &str = "dprouter_routing_decisions_total";
+pub const UPSTREAM_ERRORS: &str = "dprouter_upstream_errors_total";
+pub const RETRIES: &str = "dprouter_retries_total";
+pub const IN_FLIGHT: &str = "dprouter_endpoint_in_flight_requests";
+pub const HEALTHY: &str = "dprouter_endpoint_healthy";
+pub const TTFT: &str = "dprouter_ttft_seconds";
+pub const DURATION: &str = "dprouter_request_duration_seconds";
+pub const PROMPT_TOKENS: &str = "dprouter_prompt_tokens_total";
+pub const CACHED_TOKENS: &str = "dprouter_cached_tokens_total";
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+static HANDLE: OnceLock<Option<PrometheusHandle>> = OnceLock::new();
+
+/// The process-wide Prometheus recorder, installed on first use. `None` if another recorder was installed first.
+pub fn handle() -> Option<&'static PrometheusHandle> {
+    HANDLE
+        .get_or_init(|| {
+            let builder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+                .ok()?;
+            let recorder = builder.build_recorder();
+            let handle = recorder.handle();
+            metrics::set_global_recorder(recorder).ok()?;
+            Some(handle)
+        })
+        .as_ref()
+}
+
+/// Sets the per-endpoint gauges from the current membership, then renders everything.
+pub fn render(membership: &Membership) -> String {
+    for (endpoint, target) in membership.snapshot.endpoints().iter().zip(&membership.targets) {
+        let label = target.label();
+        metrics::gauge!(IN_FLIGHT, "endpoint" => label.clone()).set(endpoint.load.in_flight_requests() as f64);
+        metrics::gauge!(HEALTHY, "endpoint" => label).set(if endpoint.healthy { 1.0 } else { 0.0 });
+    }
+    handle().map(PrometheusHandle::render).unwrap_or_default()
+}

@@ -1,0 +1,112 @@
+//! The HTTP client to workers: forwarding, probes, discovery and load polling.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+use crate::config::{Backend, WorkerConfig};
+
+pub type UpstreamError = hyper_util::client::legacy::Error;
+
+/// A pooled HTTP/1 client.
+#[derive(Clone)]
+pub struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Upstream {
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        Self {
+            client: Client::builder(TokioExecutor::new())
+                .pool_idle_timeout(Duration::from_secs(30))
+                .build(connector),
+        }
+    }
+
+    pub async fn send(&self, request: Request<Full<Bytes>>) -> Result<Response<Incoming>, UpstreamError> {
+        self.client.request(request).await
+    }
+
+    /// A request with no body and a deadline; returns the status and the whole body.
+    async fn simple(&self, method: Method, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), String> {
+        let request = Request::builder()
+            .method(method)
+            .uri(url)
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| format!("bad URL {url}: {e}"))?;
+        let exchange = async {
+            let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
+            let status = response.status();
+            let body = response
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok((status, body))
+        };
+        tokio::time::timeout(timeout, exchange)
+            .await
+            .map_err(|_| format!("{url}: timed out"))?
+    }
+
+    /// `GET url/health` answered 200 within the timeout.
+    pub async fn probe(&self, base: &str, timeout: Duration) -> bool {
+        matches!(
+            self.simple(Method::GET, &format!("{base}/health"), timeout).await,
+            Ok((StatusCode::OK, _))
+        )
+    }
+
+    pub async fn get_json(&self, url: &str, timeout: Duration) -> Result<Value, String> {
+        let (status, body) = self.simple(Method::GET, url, timeout).await?;
+        if !status.is_success() {
+            return Err(format!("{url}: status {status}"));
+        }
+        serde_json::from_slice(&body).map_err(|e| format!("{url}: invalid JSON: {e}"))
+    }
+
+    /// `POST url` with an empty body; the answer's status.
+    pub async fn post_empty(&self, url: &str, timeout: Duration) -> Result<StatusCode, String> {
+        Ok(self.simple(Method::POST, url, timeout).await?.0)
+    }
+
+    /// The number of DP ranks behind a worker: configured, or (SGLang) read from `/get_server_info`.
+    pub async fn discover_dp_size(&self, worker: &WorkerConfig, timeout: Duration) -> Result<u32, String> {
+        match (worker.backend, worker.dp_size) {
+            (_, Some(n)) => Ok(n),
+            (Backend::Vllm | Backend::Openai, None) => Ok(1),
+            (Backend::Sglang, None) => {
+                let url = format!("{}/get_server_info", worker.url.trim_end_matches('/'));
+                let info = self.get_json(&url, timeout).await?;
+                info.get("dp_size")
+                    .and_then(Value::as_u64)
+                    .and_then(|n| u32::try_from(n).ok())
+                    .filter(|&n| n >= 1)
+                    .ok_or_else(|| format!("{url}: no dp_size in the answer; pass --dp-size"))
+            }
+        }
+    }
+}
+
+/// An error with its causes, for logs and messages ("client error (Connect): tcp connect error: refused").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}

@@ -1,0 +1,144 @@
+//! `dprouter serve`: the gateway. Without `--worker` (or workers in the config) it fronts an embedded mock engine.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use dprouter_core::PolicyConfig;
+use dprouter_gateway::{serve, AppState, Backend, GatewayConfig, WorkerConfig};
+use dprouter_mock_engine::{Engine, EngineConfig};
+use dprouter_sim::CostModel;
+
+use crate::mock_engine::shutdown_signal;
+use crate::route::parse_policy;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum BackendArg {
+    Sglang,
+    Vllm,
+    Openai,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// TOML config file (every field is in the README); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Address to listen on (default 127.0.0.1:8000; port 0 picks a free port).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Upstream worker base URL (repeatable). Replaces the config file's workers.
+    #[arg(long = "worker")]
+    workers: Vec<String>,
+    /// Backend of the --worker URLs.
+    #[arg(long, value_enum, default_value = "sglang")]
+    backend: BackendArg,
+    /// DP ranks behind each --worker (SGLang: discovered from /get_server_info when absent).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    dp_size: Option<u32>,
+    /// Load-balancing policy (overrides the config's [routing]).
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<PolicyConfig>,
+    /// Require `Authorization: Bearer KEY` on admin routes.
+    #[arg(long)]
+    admin_key: Option<String>,
+    /// Ignore and strip clients' rank overrides (multi-tenant deployments).
+    #[arg(long)]
+    no_client_overrides: bool,
+    /// Poll SGLang /get_load every N milliseconds (0: off).
+    #[arg(long)]
+    poll_load_ms: Option<u64>,
+}
+
+impl ServeArgs {
+    fn gateway_config(&self) -> anyhow::Result<GatewayConfig> {
+        let mut config = match &self.config {
+            Some(path) => GatewayConfig::from_file(path)?,
+            None => GatewayConfig::default(),
+        };
+        if let Some(listen) = self.listen {
+            config.listen = listen;
+        }
+        if !self.workers.is_empty() {
+            let backend = match self.backend {
+                BackendArg::Sglang => Backend::Sglang,
+                BackendArg::Vllm => Backend::Vllm,
+                BackendArg::Openai => Backend::Openai,
+            };
+            config.workers = self
+                .workers
+                .iter()
+                .map(|url| WorkerConfig {
+                    url: url.clone(),
+                    backend,
+                    dp_size: self.dp_size,
+                    rank_field: Default::default(),
+                })
+                .collect();
+        }
+        if let Some(policy) = &self.policy {
+            config.routing = policy.clone();
+        }
+        if self.admin_key.is_some() {
+            config.admin_key = self.admin_key.clone();
+        }
+        if self.no_client_overrides {
+            config.allow_client_overrides = false;
+        }
+        if let Some(ms) = self.poll_load_ms {
+            config.load.poll_interval_ms = ms;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// Ranks and preset of the embedded engine.
+const EMBEDDED_DP: u32 = 4;
+const EMBEDDED_PRESET: &str = "h100-8b";
+
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
+    let mut config = args.gateway_config()?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    runtime.block_on(async move {
+        if config.workers.is_empty() {
+            let url = start_embedded_engine().await?;
+            tracing::info!(%url, dp_size = EMBEDDED_DP, preset = EMBEDDED_PRESET, "no worker given: fronting an embedded mock engine");
+            config.workers.push(WorkerConfig { url, backend: Backend::Sglang, dp_size: Some(EMBEDDED_DP), rank_field: Default::default() });
+        }
+        let listen = config.listen;
+        let state = AppState::new(config).await?;
+        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+        let addr = listener.local_addr()?;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "dprouter serve listening on http://{addr}")?;
+        out.flush()?;
+        drop(out);
+        let endpoints = state.registry.membership().snapshot.len();
+        tracing::info!(%addr, policy = state.policy.name(), endpoints, "gateway started");
+        serve(listener, state, shutdown_signal()).await.context("serving")?;
+        Ok(ExitCode::SUCCESS)
+    })
+}
+
+/// Starts a mock engine (4 ranks, h100-8b) on a free loopback port inside this process.
+async fn start_embedded_engine() -> anyhow::Result<String> {
+    let cost = CostModel::preset(EMBEDDED_PRESET).context("embedded preset")?;
+    let engine = Engine::new(EngineConfig {
+        dp_size: EMBEDDED_DP,
+        cost,
+        ..EngineConfig::default()
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(dprouter_mock_engine::serve(
+        listener,
+        Arc::clone(&engine),
+        std::future::pending(),
+    ));
+    Ok(format!("http://{addr}"))
+}

@@ -1,0 +1,150 @@
+//! Helpers for end-to-end tests: `dprouter` processes on loopback and a small HTTP client.
+#![allow(clippy::unwrap_used, dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::Value;
+
+/// A `dprouter` subprocess, killed when dropped.
+pub struct Proc {
+    pub child: Child,
+    pub url: String,
+}
+
+impl Proc {
+    /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" line.
+    pub fn start(args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line.trim().rsplit(' ').next().unwrap().to_string();
+        assert!(
+            url.starts_with("http://127.0.0.1:"),
+            "unexpected first line {line:?} from {args:?}"
+        );
+        Proc { child, url }
+    }
+
+    pub fn engine(extra: &[&str]) -> Proc {
+        let mut args = vec!["mock-engine", "--listen", "127.0.0.1:0", "--preset", "zero"];
+        args.extend_from_slice(extra);
+        Proc::start(&args)
+    }
+
+    pub fn gateway(workers: &[&Proc], extra: &[&str]) -> Proc {
+        let mut args = vec!["serve", "--listen", "127.0.0.1:0"];
+        for w in workers {
+            args.extend(["--worker", w.url.as_str()]);
+        }
+        args.extend_from_slice(extra);
+        Proc::start(&args)
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
+
+pub fn client() -> HttpClient {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub rank: Option<u64>,
+    pub json: Value,
+    pub text: String,
+}
+
+pub async fn send(c: &HttpClient, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Response<Incoming> {
+    let mut req = Request::post(url);
+    if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+        req = req.header("content-type", "application/json");
+    }
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    c.request(req.body(Full::new(body.into())).unwrap()).await.unwrap()
+}
+
+pub async fn post(c: &HttpClient, url: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
+    read(send(c, url, headers, body.to_string()).await).await
+}
+
+pub async fn read(resp: Response<Incoming>) -> Reply {
+    let status = resp.status();
+    let rank = resp
+        .headers()
+        .get("x-dp-rank")
+        .and_then(|v| v.to_str().ok()?.parse().ok());
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    Reply {
+        status,
+        rank,
+        json: serde_json::from_str(&text).unwrap_or(Value::Null),
+        text,
+    }
+}
+
+pub async fn get(c: &HttpClient, url: &str) -> Reply {
+    read(c.get(url.parse().unwrap()).await.unwrap()).await
+}
+
+/// Total in-flight requests the gateway counts, from `GET /workers`.
+pub async fn in_flight(c: &HttpClient, gateway: &str) -> u64 {
+    let workers = get(c, &format!("{gateway}/workers")).await.json;
+    workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w["endpoints"].as_array().unwrap().iter())
+        .map(|e| e["in_flight_requests"].as_u64().unwrap())
+        .sum()
+}
+
+/// Polls `check` every 20 ms until it holds or `limit` passes; returns whether it held.
+pub async fn eventually<F, Fut>(limit: Duration, mut check: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if check().await {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    check().await
+}

@@ -1,0 +1,444 @@
+//! End-to-end: `dprouter serve` in front of real `dprouter mock-engine` processes on loopback.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, eventually, get, in_flight, post, read, send, Proc};
+use http_body_util::BodyExt;
+use hyper::StatusCode;
+use serde_json::{json, Value};
+
+fn generate(text: &str) -> Value {
+    json!({"text": text, "sampling_params": {"max_new_tokens": 4}, "bootstrap_room": 7})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_policy_routes() {
+    let engine = Proc::engine(&["--dp-size", "4"]);
+    let c = client();
+    for policy in dprouter_core::PolicyConfig::NAMES {
+        let gw = Proc::gateway(&[&engine], &["--policy", policy]);
+        let mut ranks = std::collections::BTreeSet::new();
+        for i in 0..8 {
+            let reply = post(
+                &c,
+                &format!("{}/generate", gw.url),
+                &[],
+                &generate(&format!("prompt {i}")),
+            )
+            .await;
+            assert_eq!(reply.status, StatusCode::OK, "{policy}: {}", reply.text);
+            ranks.insert(reply.rank.unwrap());
+        }
+        let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+        assert_eq!(workers["policy"], *policy);
+        let decisions: u64 = workers["decisions"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(decisions, 8, "{policy}");
+        if *policy == "round_robin" {
+            assert_eq!(ranks.len(), 4, "{policy} spreads sequential requests: {ranks:?}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_match_second_request_hits_the_cache() {
+    let engine = Proc::engine(&["--dp-size", "4"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "prefix_match"]);
+    let c = client();
+    let system = "You are an agent with many tools. ".repeat(300);
+    let chat = |user: &str| json!({"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
+    let first = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url),
+        &[],
+        &chat("first question"),
+    )
+    .await;
+    let second = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url),
+        &[],
+        &chat("second question"),
+    )
+    .await;
+    assert_eq!((first.status, second.status), (StatusCode::OK, StatusCode::OK));
+    assert_eq!(first.rank, second.rank, "same prefix, same rank");
+    assert_eq!(first.json["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    let cached = second.json["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    let prompt = second.json["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(cached * 10 >= prompt * 9, "cached {cached} of {prompt}");
+    // The gateway saw the engine's usage report.
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert!(metrics.contains("dprouter_cached_tokens_total"), "{metrics}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_overrides_are_validated_and_can_be_disabled() {
+    let engine = Proc::engine(&["--dp-size", "4"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "round_robin"]);
+    let c = client();
+    let url = format!("{}/v1/completions", gw.url);
+    let body = |extra: Value| {
+        let mut b = json!({"prompt": "x", "max_tokens": 2});
+        b.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        b
+    };
+    assert_eq!(
+        post(&c, &url, &[], &body(json!({"routed_dp_rank": 2}))).await.rank,
+        Some(2)
+    );
+    assert_eq!(
+        post(&c, &url, &[], &body(json!({"data_parallel_rank": 1}))).await.rank,
+        Some(1)
+    );
+    assert_eq!(
+        post(
+            &c,
+            &url,
+            &[("X-Data-Parallel-Rank", "3")],
+            &body(json!({"routed_dp_rank": 2}))
+        )
+        .await
+        .rank,
+        Some(3)
+    );
+    let out_of_range = post(&c, &url, &[], &body(json!({"routed_dp_rank": 9}))).await;
+    assert_eq!(out_of_range.status, StatusCode::BAD_REQUEST);
+    assert!(out_of_range.json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("DP rank 9 is out of range"));
+    let bad_header = post(&c, &url, &[("X-Data-Parallel-Rank", "x")], &body(json!({}))).await;
+    assert_eq!(bad_header.status, StatusCode::BAD_REQUEST);
+
+    let strict = Proc::gateway(&[&engine], &["--policy", "round_robin", "--no-client-overrides"]);
+    let url = format!("{}/v1/completions", strict.url);
+    let ranks: Vec<_> = futures_ranks(&c, &url, body(json!({"routed_dp_rank": 3}))).await;
+    assert_eq!(
+        ranks,
+        vec![Some(0), Some(1), Some(2)],
+        "overrides ignored: round robin decides"
+    );
+}
+
+async fn futures_ranks(c: &common::HttpClient, url: &str, body: Value) -> Vec<Option<u64>> {
+    let mut ranks = Vec::new();
+    for _ in 0..3 {
+        ranks.push(post(c, url, &[], &body).await.rank);
+    }
+    ranks
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_clear_errors() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let dir = std::env::temp_dir().join(format!("dprouter-e2e-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("small.toml");
+    std::fs::write(&config, "max_body_bytes = 1000\n[routing]\npolicy = \"round_robin\"\n").unwrap();
+    let gw = Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url);
+    type Case<'a> = (Vec<(&'a str, &'a str)>, String, StatusCode, &'a str);
+    let cases: Vec<Case> = vec![
+        (vec![], "{not json".into(), StatusCode::BAD_REQUEST, "not valid JSON"),
+        (vec![], "[1, 2]".into(), StatusCode::BAD_REQUEST, "JSON object"),
+        (
+            vec![],
+            "{\"model\": \"m\"}".into(),
+            StatusCode::BAD_REQUEST,
+            "no prompt",
+        ),
+        (
+            vec![("content-type", "text/plain")],
+            "{}".into(),
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "application/json",
+        ),
+        (
+            vec![],
+            json!({"messages": [{"role": "user", "content": "x".repeat(2000)}]}).to_string(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "limit of 1000 bytes",
+        ),
+    ];
+    for (headers, body, status, needle) in cases {
+        let reply = read(send(&c, &url, &headers, body.clone()).await).await;
+        assert_eq!(reply.status, status, "{body:.60}: {}", reply.text);
+        let message = reply.json["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(needle), "{body:.60}: {message}");
+        assert_eq!(reply.json["error"]["code"], status.as_u16());
+    }
+    assert_eq!(
+        get(&c, &format!("{}/v2/nothing", gw.url)).await.status,
+        StatusCode::NOT_FOUND
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    // No healthy endpoint: the only engine reports unhealthy and the probes take it out.
+    let sick = Proc::engine(&["--unhealthy"]);
+    let config = std::env::temp_dir().join(format!("dprouter-e2e-fast-{}.toml", std::process::id()));
+    std::fs::write(&config, "[health]\ninterval_ms = 50\nfailure_threshold = 1\n").unwrap();
+    let gw = Proc::gateway(&[&sick], &["--config", config.to_str().unwrap()]);
+    let ready = format!("{}/readiness", gw.url);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(&c, &ready).await.status == StatusCode::SERVICE_UNAVAILABLE
+        })
+        .await
+    );
+    let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate("x")).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(reply.json["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("no healthy endpoint"));
+    std::fs::remove_file(&config).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_engine_is_marked_down_and_traffic_moves() {
+    let mut a = Proc::engine(&["--dp-size", "1"]);
+    let b = Proc::engine(&["--dp-size", "1"]);
+    let gw = Proc::gateway(&[&a, &b], &["--policy", "round_robin"]);
+    let c = client();
+    let url = format!("{}/generate", gw.url);
+    for _ in 0..4 {
+        assert_eq!(post(&c, &url, &[], &generate("x")).await.status, StatusCode::OK);
+    }
+    a.kill();
+    for i in 0..6 {
+        let reply = post(&c, &url, &[], &generate("x")).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "request {i} after the kill: {}",
+            reply.text
+        );
+    }
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(workers["workers"][0]["healthy"], false);
+    assert_eq!(workers["workers"][1]["healthy"], true);
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert!(
+        metrics.contains("dprouter_retries_total 1"),
+        "exactly one retry, then the worker was out: {metrics}"
+    );
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mid_stream_upstream_death_ends_the_stream_with_an_error() {
+    let engine = Proc::engine(&["--dp-size", "2", "--drop-after-tokens", "3"]);
+    let gw = Proc::gateway(&[&engine], &[]);
+    let c = client();
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": true});
+    let resp = send(&c, &format!("{}/v1/chat/completions", gw.url), &[], body.to_string()).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut text = String::new();
+    while let Some(Ok(frame)) = body.frame().await {
+        text.push_str(&String::from_utf8_lossy(&frame.into_data().unwrap_or_default()));
+    }
+    let last = text.trim_end().rsplit("\n\n").next().unwrap();
+    assert!(
+        last.contains("\"upstream_error\""),
+        "the stream ends with an error event: {text}"
+    );
+    assert!(!text.contains("[DONE]"), "{text}");
+    assert!(eventually(Duration::from_secs(2), || async { in_flight(&c, &gw.url).await == 0 }).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_returns_to_zero_after_a_burst_with_cancellations() {
+    let engine = Proc::engine(&["--dp-size", "4", "--tpot-ms", "10"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "total_requests"]);
+    let c = client();
+    let tasks: Vec<_> = (0..1000)
+        .map(|i| {
+            let (c, base) = (c.clone(), gw.url.clone());
+            tokio::spawn(async move {
+                let stream = i % 2 == 0;
+                let cancel = i % 5 == 0;
+                // Cancelled requests ask for long answers, so the hang-up surely reaches the engine mid-answer.
+                let n = if cancel { 400 } else { 32 };
+                let (path, body) = match i % 3 {
+                    0 => ("/generate", json!({"text": format!("p{}", i % 7), "stream": stream, "sampling_params": {"max_new_tokens": n}})),
+                    1 => ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": format!("q{}", i % 5)}], "max_tokens": n, "stream": stream})),
+                    _ => ("/v1/completions", json!({"prompt": "r", "max_tokens": n, "stream": stream, "routed_dp_rank": i % 4})),
+                };
+                let resp = send(&c, &format!("{base}{path}"), &[], body.to_string()).await;
+                assert_eq!(resp.status(), StatusCode::OK);
+                let mut body = resp.into_body();
+                if cancel {
+                    // Cancel: read one frame at most, then hang up.
+                    let _ = body.frame().await;
+                    return;
+                }
+                while let Some(frame) = body.frame().await {
+                    frame.unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(
+        eventually(Duration::from_secs(5), || async { in_flight(&c, &gw.url).await == 0 }).await,
+        "in-flight leaked"
+    );
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    for line in metrics
+        .lines()
+        .filter(|l| l.starts_with("dprouter_endpoint_in_flight_requests"))
+    {
+        assert!(line.ends_with(" 0"), "{line}");
+    }
+    // Hanging up on the gateway cancelled requests at the engine too.
+    let info = format!("{}/get_server_info", engine.url);
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            get(&c, &info).await.json["aborted_requests"].as_u64().unwrap() > 0
+        })
+        .await
+    );
+    assert_eq!(
+        get(&c, &format!("{}/get_load", engine.url))
+            .await
+            .json
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["num_reqs"].as_u64().unwrap())
+            .sum::<u64>(),
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_adds_removes_and_flushes_workers() {
+    let a = Proc::engine(&["--dp-size", "2"]);
+    let b = Proc::engine(&["--dp-size", "3"]);
+    let gw = Proc::gateway(&[&a], &["--admin-key", "s3cret"]);
+    let c = client();
+    let auth = [("authorization", "Bearer s3cret")];
+    assert_eq!(
+        get(&c, &format!("{}/workers", gw.url)).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let added = post(&c, &format!("{}/workers", gw.url), &auth, &json!({"url": b.url})).await;
+    assert_eq!(added.status, StatusCode::CREATED, "{}", added.text);
+    assert_eq!(added.json["dp_size"], 3, "discovered from /get_server_info");
+    let list = |c: common::HttpClient, url: String| async move {
+        let req = hyper::Request::get(format!("{url}/workers"))
+            .header("authorization", "Bearer s3cret")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        read(c.request(req).await.unwrap()).await.json
+    };
+    let workers = list(c.clone(), gw.url.clone()).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        workers["workers"][1]["endpoints"][2]["rank"], 4,
+        "global ranks continue across workers"
+    );
+    // A pinned request to global rank 4 reaches worker b's rank 2.
+    let reply = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &json!({"text": "x", "routed_dp_rank": 4}),
+    )
+    .await;
+    assert_eq!(reply.rank, Some(2));
+    let flushed = post(&c, &format!("{}/flush_cache", gw.url), &auth, &json!({})).await;
+    assert_eq!(flushed.status, StatusCode::OK, "{}", flushed.text);
+    assert_eq!(flushed.json["results"].as_array().unwrap().len(), 2);
+    let req = hyper::Request::delete(format!("{}/workers/0", gw.url))
+        .header("authorization", "Bearer s3cret")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    assert_eq!(c.request(req).await.unwrap().status(), StatusCode::OK);
+    let workers = list(c.clone(), gw.url.clone()).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 1);
+    let bad = post(&c, &format!("{}/workers", gw.url), &auth, &json!({"url": "not a url"})).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_and_openai_backends_are_targeted_their_way() {
+    let vllm = Proc::engine(&["--dp-size", "2", "--api", "vllm"]);
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &vllm.url,
+        "--backend",
+        "vllm",
+        "--dp-size",
+        "2",
+        "--policy",
+        "round_robin",
+    ]);
+    let c = client();
+    let body = json!({"prompt": "x", "max_tokens": 2});
+    let ranks: Vec<_> = futures_ranks(&c, &format!("{}/v1/completions", gw.url), body.clone()).await;
+    assert_eq!(
+        ranks,
+        vec![Some(0), Some(1), Some(0)],
+        "the rank travels in the vLLM header"
+    );
+
+    let one = Proc::engine(&["--dp-size", "1"]);
+    let two = Proc::engine(&["--dp-size", "1"]);
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &one.url,
+        "--worker",
+        &two.url,
+        "--backend",
+        "openai",
+        "--policy",
+        "round_robin",
+    ]);
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    for _ in 0..2 {
+        assert_eq!(
+            post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await.status,
+            StatusCode::OK
+        );
+    }
+}
+
+#[test]
+fn the_official_openai_client_works_through_the_gateway() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "prefix_match"]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
+    let out = std::process::Command::new("python3")
+        .arg(script)
+        .arg(format!("{}/v1", gw.url))
+        .output()
+        .expect("python3 must be installed");
+    assert!(
+        out.status.success(),
+        "the openai client failed (CI installs it with `pip install openai`):\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

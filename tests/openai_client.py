@@ -1,0 +1,34 @@
+"""Drives a dprouter gateway with the official `openai` package: chat, streaming and not.
+
+Usage: python3 openai_client.py BASE_URL   (e.g. http://127.0.0.1:8000/v1); exits non-zero on any failure.
+"""
+import sys
+
+import openai
+
+client = openai.OpenAI(base_url=sys.argv[1], api_key="unused")
+messages = [{"role": "system", "content": "You are terse. " * 100}, {"role": "user", "content": "Hello!"}]
+
+whole = client.chat.completions.create(model="dprouter/mock", messages=messages, max_tokens=6)
+text = whole.choices[0].message.content
+assert text and len(text.split()) == 6, whole
+assert whole.usage.prompt_tokens > 0, whole.usage
+
+stream = client.chat.completions.create(
+    model="dprouter/mock", messages=messages, max_tokens=6, stream=True, stream_options={"include_usage": True}
+)
+parts, usage = [], None
+for chunk in stream:
+    if chunk.choices and chunk.choices[0].delta.content:
+        parts.append(chunk.choices[0].delta.content)
+    if chunk.usage:
+        usage = chunk.usage
+assert "".join(parts) == text, (parts, text)
+assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0, usage
+
+completion = client.completions.create(model="dprouter/mock", prompt="Once upon a time", max_tokens=3)
+assert len(completion.choices[0].text.split()) == 3, completion
+
+models = client.models.list()
+assert models.data[0].id == "dprouter/mock", models
+print("openai client ok:", text)
