@@ -62,12 +62,7 @@ async fn load_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
     every(interval, stop, || {
         let state = Arc::clone(&state);
         async move {
-            let workers: Vec<_> = state
-                .registry
-                .workers()
-                .into_iter()
-                .filter(|w| w.backend == Backend::Sglang)
-                .collect();
+            let workers = state.registry.workers_of(Backend::Sglang);
             let urls: Vec<String> = workers.iter().map(|w| format!("{}/get_load", w.url)).collect();
             let answers = join_all(urls.iter().map(|u| state.upstream.get_json(u, timeout))).await;
             for (w, answer) in workers.iter().zip(answers) {

@@ -118,6 +118,11 @@ impl Registry {
         self.lock().clone()
     }
 
+    /// The workers of one backend.
+    pub fn workers_of(&self, backend: Backend) -> Vec<Arc<WorkerState>> {
+        self.lock().iter().filter(|w| w.backend == backend).cloned().collect()
+    }
+
     /// Adds a worker whose `dp_size` is known (healthy until proven otherwise) and returns its id.
     pub fn add_worker(&self, config: &WorkerConfig, dp_size: u32) -> WorkerId {
         let id = WorkerId(self.next_worker.fetch_add(1, Relaxed));

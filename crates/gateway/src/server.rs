@@ -216,12 +216,7 @@ async fn remove_worker(State(state): State<Arc<AppState>>, Path(id): Path<String
 
 /// `POST /flush_cache`: fans out to every SGLang worker.
 async fn flush_cache(State(state): State<Arc<AppState>>) -> Response {
-    let workers: Vec<_> = state
-        .registry
-        .workers()
-        .into_iter()
-        .filter(|w| w.backend == Backend::Sglang)
-        .collect();
+    let workers = state.registry.workers_of(Backend::Sglang);
     let timeout = Duration::from_millis(state.config.health.timeout_ms.max(5000));
     let urls: Vec<String> = workers.iter().map(|w| format!("{}/flush_cache", w.url)).collect();
     let answers = join_all(urls.iter().map(|u| state.upstream.post_empty(u, timeout))).await;
