@@ -18,7 +18,8 @@ use serde_json::{json, Value};
 
 #[derive(Debug, Args)]
 pub struct RouteArgs {
-    /// Load-balancing method: round_robin, follow_bootstrap_room, total_requests, total_tokens, prefix_match.
+    /// Load-balancing method: round_robin, follow_bootstrap_room, total_requests, total_tokens, prefix_match,
+    /// prefix_affinity, cache_aware.
     #[arg(long, value_parser = parse_policy)]
     policy: PolicyConfig,
     /// Number of data-parallel ranks (all healthy).

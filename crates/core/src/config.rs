@@ -12,7 +12,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{FollowBootstrapRoom, Policy, PrefixMatch, RoundRobin, TotalRequests, TotalTokens};
+use crate::policy::{
+    CacheAware, CacheAwareConfig, FollowBootstrapRoom, Policy, PrefixAffinity, PrefixAffinityConfig, PrefixMatch,
+    RoundRobin, TotalRequests, TotalTokens,
+};
 use crate::prefix_key::PrefixWindow;
 
 /// Fields of a policy that has none.
@@ -21,7 +24,7 @@ use crate::prefix_key::PrefixWindow;
 pub struct NoOptions {}
 
 /// One policy and its options.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "policy", rename_all = "snake_case")]
 pub enum PolicyConfig {
     RoundRobin(NoOptions),
@@ -29,6 +32,8 @@ pub enum PolicyConfig {
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
     PrefixMatch(PrefixWindow),
+    PrefixAffinity(PrefixAffinityConfig),
+    CacheAware(CacheAwareConfig),
 }
 
 impl Default for PolicyConfig {
@@ -50,6 +55,8 @@ impl PolicyConfig {
         "total_requests",
         "total_tokens",
         "prefix_match",
+        "prefix_affinity",
+        "cache_aware",
     ];
 
     /// The named policy with default options.
@@ -64,6 +71,8 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => "total_requests",
             PolicyConfig::TotalTokens(_) => "total_tokens",
             PolicyConfig::PrefixMatch(_) => "prefix_match",
+            PolicyConfig::PrefixAffinity(_) => "prefix_affinity",
+            PolicyConfig::CacheAware(_) => "cache_aware",
         }
     }
 
@@ -75,6 +84,8 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => Box::new(TotalRequests),
             PolicyConfig::TotalTokens(_) => Box::new(TotalTokens),
             PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
+            PolicyConfig::PrefixAffinity(config) => Box::new(PrefixAffinity::new(*config)),
+            PolicyConfig::CacheAware(config) => Box::new(CacheAware::new(*config)),
         }
     }
 }
@@ -112,5 +123,23 @@ mod tests {
         assert!(err.unwrap_err().to_string().contains("max_token"));
         let err = serde_json::from_str::<PolicyConfig>(r#"{"policy": "round_robin", "window_tokens": 1}"#);
         assert!(err.is_err());
+        let config: PolicyConfig =
+            serde_json::from_str(r#"{"policy": "prefix_affinity", "epsilon": 0.5, "load": "requests"}"#).unwrap();
+        assert_eq!(
+            config,
+            PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+                epsilon: 0.5,
+                load: crate::policy::AffinityLoad::Requests,
+                ..PrefixAffinityConfig::default()
+            })
+        );
+        let config: PolicyConfig = serde_json::from_str(r#"{"policy": "cache_aware", "block_tokens": 32}"#).unwrap();
+        assert!(matches!(config, PolicyConfig::CacheAware(c) if c.block_tokens == 32 && c.base_ms == 25.0));
+        for bad in [
+            r#"{"policy": "cache_aware", "block": 32}"#,
+            r#"{"policy": "prefix_affinity", "load": "tokens"}"#,
+        ] {
+            assert!(serde_json::from_str::<PolicyConfig>(bad).is_err(), "{bad}");
+        }
     }
 }
