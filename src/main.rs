@@ -18,16 +18,16 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Route JSON Lines requests offline and print one decision per line.
-    Route(route::RouteArgs),
+    Route(Box<route::RouteArgs>),
     /// Compare policies on a workload over simulated DP ranks, in virtual time.
-    Simulate(simulate::SimulateArgs),
+    Simulate(Box<simulate::SimulateArgs>),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Route(args) => route::run(args),
-        Command::Simulate(args) => simulate::run(args),
+        Command::Route(args) => route::run(*args),
+        Command::Simulate(args) => simulate::run(*args),
     };
     result.unwrap_or_else(|err| {
         eprintln!("dprouter: {err:#}");

@@ -64,6 +64,33 @@ impl PolicyConfig {
         Ok(serde_json::from_value(serde_json::json!({ "policy": name }))?)
     }
 
+    /// A command-line spec, `name` or `name:key=value,...`, as its config object (`{"policy": name, key: value}`).
+    /// Values are read as JSON (numbers, booleans) or else taken as strings.
+    pub fn spec_object(spec: &str) -> Result<serde_json::Map<String, serde_json::Value>, ConfigError> {
+        use serde::de::Error;
+        let (name, options) = spec.split_once(':').unwrap_or((spec, ""));
+        let mut obj = serde_json::Map::new();
+        obj.insert("policy".into(), name.into());
+        for option in options.split(',').filter(|o| !o.is_empty()) {
+            let (key, value) = option.split_once('=').ok_or_else(|| {
+                serde_json::Error::custom(format!("policy option `{option}` must look like key=value"))
+            })?;
+            let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+            obj.insert(key.into(), value);
+        }
+        Ok(obj)
+    }
+
+    /// The policy of a config object such as [`PolicyConfig::spec_object`] returns.
+    pub fn from_object(obj: serde_json::Map<String, serde_json::Value>) -> Result<Self, ConfigError> {
+        Ok(serde_json::from_value(serde_json::Value::Object(obj))?)
+    }
+
+    /// A policy from a command-line spec (`prefix_affinity:epsilon=0.5,load=requests`).
+    pub fn from_spec(spec: &str) -> Result<Self, ConfigError> {
+        Self::from_object(Self::spec_object(spec)?)
+    }
+
     pub fn name(&self) -> &'static str {
         match self {
             PolicyConfig::RoundRobin(_) => "round_robin",
@@ -100,6 +127,25 @@ mod tests {
             let config = PolicyConfig::from_name(name).unwrap();
             assert_eq!(config.name(), *name);
             assert_eq!(config.build().name(), *name);
+        }
+    }
+
+    #[test]
+    fn command_line_specs_carry_typed_options() {
+        assert_eq!(
+            PolicyConfig::from_spec("prefix_affinity:epsilon=1,load=requests").unwrap(),
+            PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+                epsilon: 1.0,
+                load: crate::policy::AffinityLoad::Requests,
+                ..PrefixAffinityConfig::default()
+            })
+        );
+        assert_eq!(
+            PolicyConfig::from_spec("round_robin").unwrap(),
+            PolicyConfig::from_name("round_robin").unwrap()
+        );
+        for bad in ["cache_aware:block_tokens", "cache_aware:nope=1", "round_robin:x=1"] {
+            assert!(PolicyConfig::from_spec(bad).is_err(), "{bad}");
         }
     }
 

@@ -155,7 +155,7 @@ impl Policy for PrefixAffinity {
             let branch = if top_is_down { Branch::Fallback } else { Branch::Affine };
             return Ok(Pick::new(first.2, branch));
         }
-        candidates.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        candidates.sort_unstable_by_key(|c| std::cmp::Reverse(c.0));
         let spill = candidates
             .iter()
             .find(|c| fits(c.1))
