@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 use dprouter_core::PolicyConfig;
 use dprouter_sim::report::table;
-use dprouter_sim::{simulate, CostModel, RankRemoval, SimConfig, Summary, WorkloadSpec};
+use dprouter_sim::{simulate, CostModel, RankRemoval, RemovalMode, SimConfig, Summary, WorkloadSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -59,9 +59,10 @@ pub struct SimulateArgs {
     /// Take rank R out of service at SECONDS of virtual time: R@SECONDS.
     #[arg(long, value_parser = parse_removal)]
     remove_rank: Option<(usize, f64)>,
-    /// How the removed rank leaves: `down` (marked down in the snapshot) or `drop` (dropped from it; the ranks
-    /// after it are renumbered, as when an engine restarts with one rank fewer).
-    #[arg(long, default_value = "down", value_parser = ["down", "drop"])]
+    /// How the removed rank leaves: `down` (marked down in the snapshot), `drop` (dropped from it; the ranks after
+    /// it are renumbered, as when an engine restarts with one rank fewer) or `control` (nothing removed: how often
+    /// groups change rank at that time anyway).
+    #[arg(long, default_value = "down", value_parser = ["down", "drop", "control"])]
     remove_mode: String,
     /// Also write the results as JSON to this file.
     #[arg(long)]
@@ -147,7 +148,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     let removal = args.remove_rank.map(|(rank, at)| RankRemoval {
         rank,
         at: dprouter_sim::cost::to_micros(at),
-        drop: args.remove_mode == "drop",
+        mode: match args.remove_mode.as_str() {
+            "drop" => RemovalMode::Drop,
+            "control" => RemovalMode::Control,
+            _ => RemovalMode::Down,
+        },
     });
     if let Some(r) = removal {
         anyhow::ensure!(
@@ -194,7 +199,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         format!(
             ", rank {} {} at {} s",
             r.rank,
-            if r.drop { "dropped" } else { "down" },
+            match r.mode {
+                RemovalMode::Down => "down",
+                RemovalMode::Drop => "dropped",
+                RemovalMode::Control => "kept (control)",
+            },
             r.at as f64 / 1e6
         )
     });
@@ -212,7 +221,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             "preset": args.preset,
             "cost": cost,
             "seed": args.seed,
-            "removal": removal.map(|r| json!({"rank": r.rank, "at_s": r.at as f64 / 1e6, "drop": r.drop})),
+            "removal": removal.map(|r| json!({"rank": r.rank, "at_s": r.at as f64 / 1e6, "mode": args.remove_mode})),
             "results": rows,
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")

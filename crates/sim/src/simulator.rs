@@ -51,9 +51,19 @@ pub struct SimConfig {
 pub struct RankRemoval {
     pub rank: usize,
     pub at: Micros,
-    /// `false`: the snapshot marks the rank down (membership unchanged). `true`: the snapshot drops it and the
-    /// ranks after it move down one position, as when an engine restarts with one rank fewer.
-    pub drop: bool,
+    pub mode: RemovalMode,
+}
+
+/// How a [`RankRemoval`] takes its rank out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemovalMode {
+    /// The snapshot marks the rank down (membership unchanged).
+    Down,
+    /// The snapshot drops it and the ranks after it move down one position, as when an engine restarts with one
+    /// rank fewer.
+    Drop,
+    /// Nothing is removed: a control run, measuring how often groups change rank anyway (load spills).
+    Control,
 }
 
 /// What happened to one request.
@@ -354,10 +364,12 @@ impl Sim<'_> {
     fn remove_rank(&mut self) {
         let Some(removal) = self.outcome.removal else { return };
         let gone = EndpointId::new(0, removal.rank as u32);
-        self.snap = if removal.drop {
-            Snapshot::new(self.snap.endpoints().iter().filter(|e| e.id != gone).cloned().collect())
-        } else {
-            self.snap.with_health(|_, e| e.healthy && e.id != gone)
+        self.snap = match removal.mode {
+            RemovalMode::Control => return,
+            RemovalMode::Drop => {
+                Snapshot::new(self.snap.endpoints().iter().filter(|e| e.id != gone).cloned().collect())
+            }
+            RemovalMode::Down => self.snap.with_health(|_, e| e.healthy && e.id != gone),
         };
     }
 
@@ -502,23 +514,26 @@ mod tests {
             rate: 200.0,
         };
         // No cost, so no load: every move is the removal's, none a load spill.
-        let moved = |policy: &str, drop: bool| {
+        let moved = |policy: &str, mode: RemovalMode| {
             let mut cfg = config(8, "zero");
             cfg.removal = Some(RankRemoval {
                 rank: 3,
                 at: 4_000_000,
-                drop,
+                mode,
             });
             let out = run(policy, &mut GroupsWorkload::new(groups.clone(), 1).unwrap(), &cfg);
             assert_eq!((out.errors, out.records.len()), (0, 1600));
-            assert!(out.records.iter().all(|r| r.rank != 3 || r.arrival < 4_000_000));
+            if mode != RemovalMode::Control {
+                assert!(out.records.iter().all(|r| r.rank != 3 || r.arrival < 4_000_000));
+            }
             Summary::new(policy, &out).moved_groups.unwrap()
         };
         // Marked down, prefix_match moves only rank 3's keys (to rank 4); dropped, `% 7` moves nearly all.
-        assert!(moved("prefix_match", false) < 0.25);
-        assert!(moved("prefix_match", true) > 0.75);
-        assert!(moved("prefix_affinity", true) < 0.25);
-        assert!(moved("cache_aware", true) < 0.25);
+        assert_eq!(moved("prefix_match", RemovalMode::Control), 0.0);
+        assert!(moved("prefix_match", RemovalMode::Down) < 0.25);
+        assert!(moved("prefix_match", RemovalMode::Drop) > 0.75);
+        assert!(moved("prefix_affinity", RemovalMode::Drop) < 0.25);
+        assert!(moved("cache_aware", RemovalMode::Drop) < 0.25);
     }
 
     #[test]
