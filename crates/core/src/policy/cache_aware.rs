@@ -10,13 +10,14 @@
 //!    `TTFT = base · (queued + 1) + (queued_tokens + prompt − cached) / prefill_rate`, with `queued` and
 //!    `queued_tokens` the endpoint's requests waiting for their first token and their predicted uncached tokens
 //!    (the load model's queued prefill, [`crate::load`]); `base` is paid per prefill, as on an engine that prefills
-//!    one request at a time. Take the lowest `TTFT + congestion_weight · Q · own`, where `own` is this request's
-//!    own prefill time there (`(prompt − cached) / prefill_rate`) and `Q` the mean number of requests waiting for a
-//!    first token per healthy endpoint: recomputing a prefix elsewhere also delays the requests that will queue
-//!    behind it, about as many as queue now. Without that term (`congestion_weight = 0`) a busy fleet
-//!    spreads every request to the shortest queue, recomputes prefixes it already holds, and the extra work makes
-//!    the queues longer still (mean TTFT 739 ms against 163 ms in the README's loaded `groups` run); on an idle
-//!    fleet the term is 0. Ties go to the longer match, then the fewer requests in flight, then the higher
+//!    one request at a time. Take the lowest `TTFT + congestion_weight · queued · own`, where `own` is this
+//!    request's own prefill time there (`(prompt − cached) / prefill_rate`): recomputing a prefix on a busy
+//!    endpoint also delays the requests that will queue behind it there, about as many as queue there now.
+//!    Without that term (`congestion_weight = 0`) a busy fleet spreads every request to the shortest queue,
+//!    recomputes prefixes it already holds, and the extra work makes the queues longer still (mean TTFT 739 ms
+//!    against 167 ms in the README's loaded `groups` run). The term counts the candidate's own queue, not the
+//!    fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still spreads to idle endpoints (a
+//!    fleet-wide count piled 16 agents onto 4 of 8 ranks, mean TTFT 5.6 s against 1.5 s). Ties go to the longer match, then the fewer requests in flight, then the higher
 //!    rendezvous score of the prompt's first block. So a prompt that no endpoint holds (branch `cold`) goes to the
 //!    least loaded endpoints' rendezvous choice, and replicas agree on cold placements of an idle fleet. Cache
 //!    affinity and load balance come from one cost, with no hit or miss thresholds.
@@ -29,8 +30,8 @@
 //!    prompt it has just prefilled, the forgotten blocks are back on the engine at once and the index learns them
 //!    again from the next request routed with them.
 //!
-//! Branches: `hit` (the chosen endpoint holds the longest match), `spill` (a shorter match promised an earlier first
-//! token), `cold` (no endpoint holds any block), `empty` (no prompt: round-robin turn).
+//! Branches: `hit` (the chosen endpoint holds the longest match), `spill` (a shorter match cost less: an earlier
+//! first token), `cold` (no endpoint holds any block), `empty` (no prompt: round-robin turn).
 //!
 //! State: the index is keyed by stable [`EndpointId`]s through slots; the rank-to-slot table and capacities are
 //! rebuilt when the snapshot's generation changes, never per request; endpoints that left the snapshot are
@@ -68,8 +69,8 @@ pub struct CacheAwareConfig {
     /// Apply engine-reported cached tokens to the index.
     pub correct_on_feedback: bool,
     /// Charge for the delay this request's own prefill adds to the requests that will queue behind it: its
-    /// prefill time times this weight times the mean number of requests waiting for a first token per healthy
-    /// endpoint. 0 compares the plain predicted TTFT.
+    /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
+    /// compares the plain predicted TTFT.
     pub congestion_weight: f64,
 }
 
@@ -250,11 +251,6 @@ impl Policy for CacheAware {
             .copied()
             .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX));
         let best_match = matched.iter().map(|m| m.1).max().unwrap_or(0);
-        let queued: u64 = matched
-            .iter()
-            .map(|&(r, _)| snap.load(r).queued_prefill_requests())
-            .sum();
-        let congestion = self.config.congestion_weight.max(0.0) * queued as f64 / matched.len().max(1) as f64;
         let (rank, blocks, uncached) = matched
             .iter()
             .map(|&(r, blocks)| {
@@ -263,6 +259,7 @@ impl Policy for CacheAware {
                 let ttft =
                     self.predicted_ttft_us(load.queued_prefill_requests(), load.queued_prefill_tokens(), uncached);
                 let own = self.predicted_ttft_us(0, 0, uncached) - self.predicted_ttft_us(0, 0, 0);
+                let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
                 let cost = ttft + (congestion * own as f64) as u64;
                 let order = (
                     cost,
@@ -381,23 +378,31 @@ mod tests {
 
     #[test]
     fn congestion_charges_a_cold_prefill_for_the_requests_it_delays() {
-        // As above, but with one request waiting per endpoint on average (1 of 2) a cold prefill also costs half its
-        // 5.01 s again: 8.5 s against 7.02 s at home, so the second request queues at home.
+        // Endpoint X queues a (5010 tokens, sharing 5000 with b) and a pinned 1000-token prompt; Y queues a pinned
+        // 10-token prompt. For b, X predicts 3 + 6.02 s and Y 2 + 5.02 s: plain TTFT sends b cold to Y. With the
+        // congestion charge Y also costs 1 queued × 5.01 s of b's own prefill (12.03 s) against 2 × 0.01 s at X.
         let snap = Snapshot::single_worker(2);
-        let p = CacheAware::new(CacheAwareConfig {
+        let config = CacheAwareConfig {
             block_tokens: 10,
             prefill_tokens_per_s: 1000.0,
             base_ms: 1000.0,
-            congestion_weight: 1.0,
             ..CacheAwareConfig::default()
-        });
+        };
         let shared = prompt(3, 5000);
-        let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
-        let b = dispatch(&p, &snap, &RouteRequest::tokens([shared, vec![2; 10]].concat())).unwrap();
-        assert_eq!(
-            (b.pick.rank, b.pick.branch, b.pick.prefill_tokens),
-            (a.pick.rank, Branch::Hit, Some(10))
-        );
+        for (weight, branch) in [(1.0, Branch::Hit), (0.0, Branch::Spill)] {
+            let p = CacheAware::new(CacheAwareConfig {
+                congestion_weight: weight,
+                ..config
+            });
+            let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+            let (x, y) = (a.pick.rank as i64, 1 - a.pick.rank as i64);
+            let c = dispatch(&p, &snap, &RouteRequest::tokens(prompt(8, 1000)).with_override(x)).unwrap();
+            let z = dispatch(&p, &snap, &RouteRequest::tokens(prompt(9, 10)).with_override(y)).unwrap();
+            let b = route(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+            let expected = if branch == Branch::Hit { x } else { y };
+            assert_eq!((b.rank as i64, b.branch), (expected, branch), "weight {weight}");
+            drop((a, c, z));
+        }
     }
 
     #[test]
