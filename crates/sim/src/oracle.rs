@@ -14,6 +14,8 @@
 use std::collections::HashSet;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
 use crate::tokens::mix;
 
 /// Tokens per hashed block.
@@ -39,8 +41,13 @@ impl Hasher for Identity {
     }
 }
 
+/// XXH3 of the block's little-endian bytes, seeded with the previous block's hash.
 fn block_hash(prev: u64, block: &[u32]) -> u64 {
-    block.iter().fold(mix(prev ^ 0xB10C), |h, &t| mix(h ^ u64::from(t)))
+    let mut bytes = [0u8; BLOCK * 4];
+    for (dst, t) in bytes.chunks_exact_mut(4).zip(block) {
+        dst.copy_from_slice(&t.to_le_bytes());
+    }
+    xxh3_64_with_seed(&bytes[..block.len() * 4], prev ^ 0xB10C)
 }
 
 fn token_hash(prev: u64, token: u32) -> u64 {
@@ -57,14 +64,49 @@ pub struct Oracle {
 
 impl Oracle {
     /// Matches `prompt` against everything remembered, counts it, then remembers `prompt` and `full` (the prompt
-    /// followed by its answer). Returns the matched length.
+    /// followed by its answer; `full` must start with `prompt`). Returns the matched length. Each token is hashed
+    /// once, and only blocks not yet remembered are inserted.
     pub fn request(&mut self, prompt: &[u32], full: &[u32]) -> usize {
-        let matched = self.matched(prompt).min(prompt.len().saturating_sub(1));
+        debug_assert!(full.starts_with(prompt));
+        let whole = prompt.len() - prompt.len() % BLOCK;
+        let mut blocks = Vec::with_capacity(whole / BLOCK);
+        let mut h = 0;
+        for block in prompt[..whole].chunks_exact(BLOCK) {
+            h = block_hash(h, block);
+            blocks.push(h);
+        }
+        let known = blocks.iter().take_while(|b| self.seen.contains(b)).count();
+        let mut matched = known * BLOCK;
+        let mut t = if known == 0 { 0 } else { blocks[known - 1] };
+        for &token in &prompt[matched..(matched + BLOCK - 1).min(prompt.len())] {
+            t = token_hash(t, token);
+            if !self.seen.contains(&t) {
+                break;
+            }
+            matched += 1;
+        }
+        let matched = matched.min(prompt.len().saturating_sub(1));
         self.prompt_tokens += prompt.len() as u64;
         self.cached_tokens += matched as u64;
-        self.remember(prompt);
-        self.remember(full);
+        // Remember the prompt: its new whole blocks, then its tail token by token.
+        self.seen.extend(blocks[known..].iter().copied());
+        self.remember_tail(h, &prompt[whole..]);
+        // And the prompt with its answer, continuing the prompt's chain of whole blocks.
+        let rest = &full[whole..];
+        let rest_whole = rest.len() - rest.len() % BLOCK;
+        for block in rest[..rest_whole].chunks_exact(BLOCK) {
+            h = block_hash(h, block);
+            self.seen.insert(h);
+        }
+        self.remember_tail(h, &rest[rest_whole..]);
         matched
+    }
+
+    fn remember_tail(&mut self, mut h: u64, tail: &[u32]) {
+        for &token in tail {
+            h = token_hash(h, token);
+            self.seen.insert(h);
+        }
     }
 
     /// Cached over prompt tokens so far.
@@ -83,40 +125,6 @@ impl Oracle {
 
     pub fn is_empty(&self) -> bool {
         self.seen.is_empty()
-    }
-
-    fn matched(&self, tokens: &[u32]) -> usize {
-        let mut h = 0;
-        let mut len = 0;
-        for block in tokens.chunks_exact(BLOCK) {
-            let next = block_hash(h, block);
-            if !self.seen.contains(&next) {
-                break;
-            }
-            h = next;
-            len += BLOCK;
-        }
-        for &t in &tokens[len..(len + BLOCK - 1).min(tokens.len())] {
-            h = token_hash(h, t);
-            if !self.seen.contains(&h) {
-                break;
-            }
-            len += 1;
-        }
-        len
-    }
-
-    fn remember(&mut self, tokens: &[u32]) {
-        let mut h = 0;
-        let whole = tokens.len() - tokens.len() % BLOCK;
-        for block in tokens[..whole].chunks_exact(BLOCK) {
-            h = block_hash(h, block);
-            self.seen.insert(h);
-        }
-        for &t in &tokens[whole..] {
-            h = token_hash(h, t);
-            self.seen.insert(h);
-        }
     }
 }
 
