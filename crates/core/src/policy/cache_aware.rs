@@ -106,6 +106,8 @@ struct State {
     slots: HashMap<EndpointId, usize>,
     /// The snapshot generation `slot_of_rank` was built for.
     generation: Option<u64>,
+    /// The newest generation seen: capacities and membership follow it alone.
+    newest: u64,
     slot_of_rank: Vec<usize>,
 }
 
@@ -169,11 +171,14 @@ impl CacheAware {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Brings the slot table in line with `snap` (only when its generation changed).
+    /// Brings the slot table in line with `snap` (only when its generation changed). Capacities and membership
+    /// (forgetting endpoints that left) follow only a snapshot at least as new as any seen, so a request still
+    /// routing with an older snapshot remaps ranks but never drops what a newer membership holds.
     fn sync(&self, state: &mut State, snap: &Snapshot) {
         if state.generation == Some(snap.generation()) {
             return;
         }
+        let current = snap.generation() >= state.newest;
         let block = self.config.block_tokens.max(1) as u64;
         let mut present = vec![false; state.index.slot_count()];
         state.slot_of_rank.clear();
@@ -181,7 +186,9 @@ impl CacheAware {
             let capacity = (e.kv_capacity.unwrap_or(self.config.kv_capacity_tokens) / block) as usize;
             let slot = match state.slots.get(&e.id) {
                 Some(&slot) => {
-                    state.index.set_capacity(slot, capacity);
+                    if current {
+                        state.index.set_capacity(slot, capacity);
+                    }
                     slot
                 }
                 None => {
@@ -194,10 +201,13 @@ impl CacheAware {
             present[slot] = true;
             state.slot_of_rank.push(slot);
         }
-        for (slot, here) in present.into_iter().enumerate() {
-            if !here {
-                state.index.clear_slot(slot);
+        if current {
+            for (slot, here) in present.into_iter().enumerate() {
+                if !here {
+                    state.index.clear_slot(slot);
+                }
             }
+            state.newest = snap.generation();
         }
         state.generation = Some(snap.generation());
     }
@@ -448,6 +458,24 @@ mod tests {
         let fewer = Snapshot::new(vec![endpoints[1].clone()]);
         assert_eq!(p.predicted_cached(&fewer, &a), vec![159]);
         assert_eq!(p.index_stats().blocks, 20);
+    }
+
+    #[test]
+    fn a_stale_snapshot_never_forgets_a_newer_membership() {
+        let (e0, e1) = (
+            Endpoint::new(EndpointId::new(0, 0)),
+            Endpoint::new(EndpointId::new(0, 1)),
+        );
+        let old = Snapshot::new(vec![e0.clone()]);
+        let new = Snapshot::new(vec![e0, e1]);
+        let p = policy();
+        let req = RouteRequest::tokens(prompt(10, 320));
+        route(&p, &new, &req.clone().with_override(1)).unwrap();
+        // A request still routing with the old snapshot (no endpoint 1) goes to endpoint 0...
+        assert_eq!(route(&p, &old, &req).unwrap().rank, 0);
+        // ...and endpoint 1 keeps its blocks.
+        assert_eq!(p.predicted_cached(&new, &req), vec![319, 319]);
+        assert_eq!(p.index_stats().blocks, 40);
     }
 
     #[test]
