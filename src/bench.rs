@@ -127,6 +127,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                     cost,
                     report_interval: 20_000,
                     seed: args.seed,
+                    removal: None,
                 };
                 let mut workload = args.workload.build(args.seed)?;
                 let sim = simulate(p.as_ref(), workload.as_mut(), &sim_config, &mut |_| {})?;

@@ -25,9 +25,9 @@ enum Command {
     /// Run the gateway (fronting an embedded mock engine when no worker is given).
     Serve(serve::ServeArgs),
     /// Route JSON Lines requests offline and print one decision per line.
-    Route(route::RouteArgs),
+    Route(Box<route::RouteArgs>),
     /// Compare policies on a workload over simulated DP ranks, in virtual time.
-    Simulate(simulate::SimulateArgs),
+    Simulate(Box<simulate::SimulateArgs>),
     /// Run an SGLang-compatible engine over the simulator (no GPU), in scaled real time.
     MockEngine(mock_engine::MockEngineArgs),
     /// Drive a workload over HTTP against an engine or gateway and measure TTFT from the streams.
@@ -46,8 +46,8 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
-        Command::Route(args) => route::run(args),
-        Command::Simulate(args) => simulate::run(args),
+        Command::Route(args) => route::run(*args),
+        Command::Simulate(args) => simulate::run(*args),
         Command::MockEngine(args) => mock_engine::run(args),
         Command::Bench(args) => bench::run(args),
     };

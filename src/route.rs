@@ -18,7 +18,8 @@ use serde_json::{json, Value};
 
 #[derive(Debug, Args)]
 pub struct RouteArgs {
-    /// Load-balancing method: round_robin, follow_bootstrap_room, total_requests, total_tokens, prefix_match.
+    /// Load-balancing method: round_robin, follow_bootstrap_room, total_requests, total_tokens, prefix_match,
+    /// prefix_affinity, cache_aware; options as NAME:key=value,...
     #[arg(long, value_parser = parse_policy)]
     policy: PolicyConfig,
     /// Number of data-parallel ranks (all healthy).
@@ -29,13 +30,16 @@ pub struct RouteArgs {
     input: Option<PathBuf>,
 }
 
-pub fn parse_policy(name: &str) -> Result<PolicyConfig, String> {
-    PolicyConfig::from_name(name).map_err(|_| {
-        format!(
+/// A policy spec: `name` or `name:key=value,...` (the policy's typed options).
+pub fn parse_policy(spec: &str) -> Result<PolicyConfig, String> {
+    let name = spec.split_once(':').map_or(spec, |(name, _)| name);
+    if !PolicyConfig::NAMES.contains(&name) {
+        return Err(format!(
             "unknown policy `{name}`; expected one of: {}",
             PolicyConfig::NAMES.join(", ")
-        )
-    })
+        ));
+    }
+    PolicyConfig::from_spec(spec).map_err(|e| e.to_string())
 }
 
 fn readable_file(path: &str) -> Result<PathBuf, String> {

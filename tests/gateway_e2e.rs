@@ -48,9 +48,15 @@ async fn every_policy_routes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn prefix_match_second_request_hits_the_cache() {
+async fn cache_affine_policies_send_the_second_request_to_the_cache() {
+    for policy in ["prefix_match", "prefix_affinity", "cache_aware"] {
+        second_request_hits_the_cache(policy).await;
+    }
+}
+
+async fn second_request_hits_the_cache(policy: &str) {
     let engine = Proc::engine(&["--dp-size", "4"]);
-    let gw = Proc::gateway(&[&engine], &["--policy", "prefix_match"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", policy]);
     let c = client();
     let system = "You are an agent with many tools. ".repeat(300);
     let chat = |user: &str| json!({"model": "m", "max_tokens": 4, "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]});
@@ -68,14 +74,18 @@ async fn prefix_match_second_request_hits_the_cache() {
         &chat("second question"),
     )
     .await;
-    assert_eq!((first.status, second.status), (StatusCode::OK, StatusCode::OK));
-    assert_eq!(first.rank, second.rank, "same prefix, same rank");
+    assert_eq!(
+        (first.status, second.status),
+        (StatusCode::OK, StatusCode::OK),
+        "{policy}"
+    );
+    assert_eq!(first.rank, second.rank, "{policy}: same prefix, same rank");
     assert_eq!(first.json["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     let cached = second.json["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap();
     let prompt = second.json["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(cached * 10 >= prompt * 9, "cached {cached} of {prompt}");
+    assert!(cached * 10 >= prompt * 9, "{policy}: cached {cached} of {prompt}");
     // The gateway saw the engine's usage report.
     let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
     assert!(metrics.contains("dprouter_cached_tokens_total"), "{metrics}");

@@ -96,10 +96,40 @@ fn input_file_and_override_and_errors_exit_one() {
 }
 
 #[test]
+fn policies_take_options_and_two_replicas_agree() {
+    // Two gateway replicas (two processes) route the same cold prompts to the same ranks; overrides still win.
+    let input: String = (0..6)
+        .map(|i| format!("{{\"text\": \"{i} {}\"}}\n", "s".repeat(500 * i)))
+        .chain(std::iter::once(
+            "{\"text\": \"x\", \"routed_dp_rank\": 3}\n".to_string(),
+        ))
+        .collect();
+    for policy in ["cache_aware:block_tokens=32", "prefix_affinity:epsilon=1,load=requests"] {
+        let run = || {
+            let out = route(&["--policy", policy, "--dp-size", "8"], &input);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{policy}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let (a, b) = (run(), run());
+        assert_eq!(a, b, "{policy}");
+        let lines: Vec<Value> = a.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines.len(), 7);
+        assert_eq!(lines[6]["rank"].as_u64(), Some(3));
+    }
+}
+
+#[test]
 fn bad_arguments_exit_two() {
     for args in [
         &["--policy", "nope", "--dp-size", "4"][..],
         &["--policy", "round_robin", "--dp-size", "0"],
+        &["--policy", "prefix_affinity:eps=2", "--dp-size", "4"],
+        &["--policy", "cache_aware:block_tokens", "--dp-size", "4"],
         &["--policy", "round_robin"],
         &[
             "--policy",

@@ -60,6 +60,61 @@ fn prints_a_row_per_policy_and_writes_json() {
 }
 
 #[test]
+fn policy_options_oracle_and_rank_removal_reach_the_json() {
+    let json = std::env::temp_dir().join(format!("dprouter-sim-removal-{}.json", std::process::id()));
+    let out = simulate(&[
+        "--workload",
+        "groups:groups=40,prompts_per_group=6,system_len=640,rate=20",
+        "--dp-size",
+        "4",
+        "--policy",
+        "prefix_match;prefix_affinity:load=requests,epsilon=0.5;cache_aware:block_tokens=32",
+        "--remove-rank",
+        "2@6",
+        "--remove-mode",
+        "drop",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.contains("rank 2 dropped at 6 s"), "{stdout}");
+    assert!(stdout.contains("oracle hit rate (one infinite cache)"), "{stdout}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    assert_eq!(doc["removal"]["mode"].as_str(), Some("drop"));
+    let results = doc["results"].as_array().unwrap();
+    let names: Vec<&str> = results.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "prefix_match",
+            "prefix_affinity:load=requests,epsilon=0.5",
+            "cache_aware:block_tokens=32"
+        ]
+    );
+    for r in results {
+        let (hit, oracle) = (r["hit_rate"].as_f64().unwrap(), r["oracle_hit_rate"].as_f64().unwrap());
+        assert!(hit > 0.0 && hit <= oracle, "{r}");
+        assert!(r["moved_groups"].as_f64().is_some(), "{r}");
+    }
+    // Dropping a rank renumbers the rest: `% 3` instead of `% 4` moves most of prefix_match's groups.
+    assert!(results[0]["moved_groups"].as_f64().unwrap() > 0.5);
+
+    let out = simulate(&["--workload", "agent", "--dp-size", "4", "--remove-rank", "4@1"]);
+    assert_eq!(out.status.code(), Some(1));
+    let out = simulate(&[
+        "--workload",
+        "agent",
+        "--dp-size",
+        "4",
+        "--policy",
+        "cache_aware:blocks=3",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+#[test]
 fn bad_arguments_exit_two_and_bad_traces_fail() {
     for args in [
         &["--workload", "agent", "--dp-size", "4", "--preset", "a100"][..],

@@ -12,7 +12,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::{FollowBootstrapRoom, Policy, PrefixMatch, RoundRobin, TotalRequests, TotalTokens};
+use crate::policy::{
+    CacheAware, CacheAwareConfig, FollowBootstrapRoom, Policy, PrefixAffinity, PrefixAffinityConfig, PrefixMatch,
+    RoundRobin, TotalRequests, TotalTokens,
+};
 use crate::prefix_key::PrefixWindow;
 
 /// Fields of a policy that has none.
@@ -21,7 +24,7 @@ use crate::prefix_key::PrefixWindow;
 pub struct NoOptions {}
 
 /// One policy and its options.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "policy", rename_all = "snake_case")]
 pub enum PolicyConfig {
     RoundRobin(NoOptions),
@@ -29,6 +32,8 @@ pub enum PolicyConfig {
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
     PrefixMatch(PrefixWindow),
+    PrefixAffinity(PrefixAffinityConfig),
+    CacheAware(CacheAwareConfig),
 }
 
 impl Default for PolicyConfig {
@@ -50,11 +55,40 @@ impl PolicyConfig {
         "total_requests",
         "total_tokens",
         "prefix_match",
+        "prefix_affinity",
+        "cache_aware",
     ];
 
     /// The named policy with default options.
     pub fn from_name(name: &str) -> Result<Self, ConfigError> {
         Ok(serde_json::from_value(serde_json::json!({ "policy": name }))?)
+    }
+
+    /// A command-line spec, `name` or `name:key=value,...`, as its config object (`{"policy": name, key: value}`).
+    /// Values are read as JSON (numbers, booleans) or else taken as strings.
+    pub fn spec_object(spec: &str) -> Result<serde_json::Map<String, serde_json::Value>, ConfigError> {
+        use serde::de::Error;
+        let (name, options) = spec.split_once(':').unwrap_or((spec, ""));
+        let mut obj = serde_json::Map::new();
+        obj.insert("policy".into(), name.into());
+        for option in options.split(',').filter(|o| !o.is_empty()) {
+            let (key, value) = option.split_once('=').ok_or_else(|| {
+                serde_json::Error::custom(format!("policy option `{option}` must look like key=value"))
+            })?;
+            let value = serde_json::from_str(value).unwrap_or_else(|_| serde_json::Value::from(value));
+            obj.insert(key.into(), value);
+        }
+        Ok(obj)
+    }
+
+    /// The policy of a config object such as [`PolicyConfig::spec_object`] returns.
+    pub fn from_object(obj: serde_json::Map<String, serde_json::Value>) -> Result<Self, ConfigError> {
+        Ok(serde_json::from_value(serde_json::Value::Object(obj))?)
+    }
+
+    /// A policy from a command-line spec (`prefix_affinity:epsilon=0.5,load=requests`).
+    pub fn from_spec(spec: &str) -> Result<Self, ConfigError> {
+        Self::from_object(Self::spec_object(spec)?)
     }
 
     pub fn name(&self) -> &'static str {
@@ -64,6 +98,8 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => "total_requests",
             PolicyConfig::TotalTokens(_) => "total_tokens",
             PolicyConfig::PrefixMatch(_) => "prefix_match",
+            PolicyConfig::PrefixAffinity(_) => "prefix_affinity",
+            PolicyConfig::CacheAware(_) => "cache_aware",
         }
     }
 
@@ -75,6 +111,8 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => Box::new(TotalRequests),
             PolicyConfig::TotalTokens(_) => Box::new(TotalTokens),
             PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
+            PolicyConfig::PrefixAffinity(config) => Box::new(PrefixAffinity::new(*config)),
+            PolicyConfig::CacheAware(config) => Box::new(CacheAware::new(*config)),
         }
     }
 }
@@ -89,6 +127,25 @@ mod tests {
             let config = PolicyConfig::from_name(name).unwrap();
             assert_eq!(config.name(), *name);
             assert_eq!(config.build().name(), *name);
+        }
+    }
+
+    #[test]
+    fn command_line_specs_carry_typed_options() {
+        assert_eq!(
+            PolicyConfig::from_spec("prefix_affinity:epsilon=1,load=requests").unwrap(),
+            PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+                epsilon: 1.0,
+                load: crate::policy::AffinityLoad::Requests,
+                ..PrefixAffinityConfig::default()
+            })
+        );
+        assert_eq!(
+            PolicyConfig::from_spec("round_robin").unwrap(),
+            PolicyConfig::from_name("round_robin").unwrap()
+        );
+        for bad in ["cache_aware:block_tokens", "cache_aware:nope=1", "round_robin:x=1"] {
+            assert!(PolicyConfig::from_spec(bad).is_err(), "{bad}");
         }
     }
 
@@ -112,5 +169,23 @@ mod tests {
         assert!(err.unwrap_err().to_string().contains("max_token"));
         let err = serde_json::from_str::<PolicyConfig>(r#"{"policy": "round_robin", "window_tokens": 1}"#);
         assert!(err.is_err());
+        let config: PolicyConfig =
+            serde_json::from_str(r#"{"policy": "prefix_affinity", "epsilon": 0.5, "load": "requests"}"#).unwrap();
+        assert_eq!(
+            config,
+            PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+                epsilon: 0.5,
+                load: crate::policy::AffinityLoad::Requests,
+                ..PrefixAffinityConfig::default()
+            })
+        );
+        let config: PolicyConfig = serde_json::from_str(r#"{"policy": "cache_aware", "block_tokens": 32}"#).unwrap();
+        assert!(matches!(config, PolicyConfig::CacheAware(c) if c.block_tokens == 32 && c.base_ms == 25.0));
+        for bad in [
+            r#"{"policy": "cache_aware", "block": 32}"#,
+            r#"{"policy": "prefix_affinity", "load": "tokens"}"#,
+        ] {
+            assert!(serde_json::from_str::<PolicyConfig>(bad).is_err(), "{bad}");
+        }
     }
 }

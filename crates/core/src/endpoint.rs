@@ -7,8 +7,11 @@
 //!
 //! A snapshot never changes; membership or health changes build a new one (keeping each endpoint's
 //! [`EndpointLoad`] so in-flight accounting survives). Building costs O(endpoints); routing reads it without locks.
+//! Each snapshot built carries a process-unique [`Snapshot::generation`], so a policy that derives structures from
+//! the membership (hash orders, index slots) rebuilds them when, and only when, the snapshot changes.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
 use crate::load::EndpointLoad;
@@ -45,6 +48,9 @@ pub struct Endpoint {
     pub id: EndpointId,
     pub healthy: bool,
     pub load: Arc<EndpointLoad>,
+    /// The endpoint's KV cache capacity in tokens (SGLang's `max_total_num_tokens`), when known; cache-aware
+    /// policies forget at this size, else at their configured default.
+    pub kv_capacity: Option<u64>,
 }
 
 impl Endpoint {
@@ -54,15 +60,25 @@ impl Endpoint {
             id,
             healthy: true,
             load: Arc::new(EndpointLoad::default()),
+            kv_capacity: None,
         }
     }
+
+    pub fn with_kv_capacity(mut self, tokens: u64) -> Self {
+        self.kv_capacity = Some(tokens);
+        self
+    }
 }
+
+/// Source of [`Snapshot::generation`] numbers; 0 is the empty default snapshot's.
+static GENERATION: AtomicU64 = AtomicU64::new(1);
 
 /// The endpoints a policy may route to, in global-rank order, with the healthy subset precomputed.
 #[derive(Debug, Clone, Default)]
 pub struct Snapshot {
     endpoints: Vec<Endpoint>,
     healthy: Vec<usize>,
+    generation: u64,
 }
 
 impl Snapshot {
@@ -73,7 +89,16 @@ impl Snapshot {
             .filter(|(_, e)| e.healthy)
             .map(|(i, _)| i)
             .collect();
-        Self { endpoints, healthy }
+        Self {
+            endpoints,
+            healthy,
+            generation: GENERATION.fetch_add(1, Relaxed),
+        }
+    }
+
+    /// Unique per snapshot built in this process (clones share it): equal generations mean equal membership.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// One worker (id 0) with `dp_size` healthy ranks: what `dprouter route` and the simulator use.
@@ -149,5 +174,7 @@ mod tests {
         let snap = Snapshot::single_worker(2);
         let next = snap.with_health(|_, _| true);
         assert!(Arc::ptr_eq(&snap.endpoints()[1].load, &next.endpoints()[1].load));
+        assert_ne!(snap.generation(), next.generation());
+        assert_eq!(snap.clone().generation(), snap.generation());
     }
 }

@@ -4,9 +4,11 @@
 //! code. Entry point: build a policy from a [`PolicyConfig`], then [`dispatch`] each [`RouteRequest`] against the
 //! current [`Snapshot`].
 
+pub mod block_index;
 pub mod config;
 pub mod endpoint;
 pub mod error;
+pub mod hashing;
 pub mod load;
 pub mod policy;
 pub mod prefix_key;
@@ -17,6 +19,9 @@ pub use config::{ConfigError, PolicyConfig};
 pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};
-pub use policy::{dispatch, route, Branch, Dispatch, Pick, Policy};
+pub use policy::{
+    dispatch, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Dispatch, IndexStats, Pick, Policy,
+    PrefixAffinityConfig,
+};
 pub use prefix_key::PrefixWindow;
 pub use request::{Prompt, RouteRequest};

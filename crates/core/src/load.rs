@@ -12,6 +12,12 @@
 //!   request finishes before the next report, so a gateway without engine reports sees its own in-flight load
 //!   instead of a count that only grows. Rank overrides are never counted speculatively (SGLang parity).
 //!
+//! - **Queued prefill** (requests, tokens): the requests dispatched whose first token has not arrived yet, and their
+//!   predicted *uncached* prompt tokens (the policy's prediction when it has one, else the whole prompt). This is
+//!   the work that delays the next request's first token. A guard releases its share at
+//!   [`LoadGuard::first_token`] (the simulator's prefill completion, the gateway's first upstream byte), or on drop
+//!   if the first token never came.
+//!
 //! All reads and updates are a few relaxed atomics: O(1) per endpoint, no locks on the routing path.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -42,6 +48,8 @@ pub struct LoadView {
 pub struct EndpointLoad {
     in_flight_requests: AtomicU64,
     in_flight_tokens: AtomicU64,
+    prefill_requests: AtomicU64,
+    prefill_tokens: AtomicU64,
     reported_requests: AtomicU64,
     reported_tokens: AtomicU64,
     speculative_requests: AtomicU64,
@@ -60,6 +68,16 @@ impl EndpointLoad {
     /// Prompt tokens of the requests in flight.
     pub fn in_flight_tokens(&self) -> u64 {
         self.in_flight_tokens.load(Relaxed)
+    }
+
+    /// Requests dispatched here whose first token has not arrived (overrides included).
+    pub fn queued_prefill_requests(&self) -> u64 {
+        self.prefill_requests.load(Relaxed)
+    }
+
+    /// The predicted uncached prompt tokens of those requests: the prefill work queued ahead of a new request.
+    pub fn queued_prefill_tokens(&self) -> u64 {
+        self.prefill_tokens.load(Relaxed)
     }
 
     /// The view `total_requests` and `total_tokens` compare.
@@ -100,16 +118,26 @@ impl EndpointLoad {
 pub struct LoadGuard {
     load: Arc<EndpointLoad>,
     tokens: u64,
+    /// This request's share of the queued prefill tokens; `None` once released by [`LoadGuard::first_token`].
+    prefill: Option<u64>,
     /// The report epoch the speculative increment belongs to; `None` when not counted speculatively.
     speculative_epoch: Option<u64>,
 }
 
 impl LoadGuard {
     /// Counts one request of `tokens` prompt tokens in flight at `load`, and in the speculative view when
-    /// `speculative` (a policy's choice, not a client's rank override).
+    /// `speculative` (a policy's choice, not a client's rank override). All `tokens` count as queued prefill.
     pub fn acquire(load: Arc<EndpointLoad>, tokens: u64, speculative: bool) -> Self {
+        Self::acquire_with_prefill(load, tokens, tokens, speculative)
+    }
+
+    /// [`LoadGuard::acquire`] with `prefill_tokens` (the predicted uncached part of the prompt) counted as queued
+    /// prefill work until [`LoadGuard::first_token`].
+    pub fn acquire_with_prefill(load: Arc<EndpointLoad>, tokens: u64, prefill_tokens: u64, speculative: bool) -> Self {
         load.in_flight_requests.fetch_add(1, Relaxed);
         load.in_flight_tokens.fetch_add(tokens, Relaxed);
+        load.prefill_requests.fetch_add(1, Relaxed);
+        load.prefill_tokens.fetch_add(prefill_tokens, Relaxed);
         let speculative_epoch = speculative.then(|| {
             load.speculative_requests.fetch_add(1, Relaxed);
             load.speculative_tokens.fetch_add(tokens, Relaxed);
@@ -118,12 +146,22 @@ impl LoadGuard {
         Self {
             load,
             tokens,
+            prefill: Some(prefill_tokens),
             speculative_epoch,
         }
     }
 
     pub fn load(&self) -> &EndpointLoad {
         &self.load
+    }
+
+    /// The first token arrived: releases this request's queued-prefill share. Only the first call has an effect;
+    /// the in-flight share stays until the guard is dropped.
+    pub fn first_token(&mut self) {
+        if let Some(tokens) = self.prefill.take() {
+            saturating_sub(&self.load.prefill_requests, 1);
+            saturating_sub(&self.load.prefill_tokens, tokens);
+        }
     }
 }
 
@@ -134,6 +172,7 @@ fn saturating_sub(counter: &AtomicU64, amount: u64) {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
+        self.first_token();
         saturating_sub(&self.load.in_flight_requests, 1);
         saturating_sub(&self.load.in_flight_tokens, self.tokens);
         // A report that arrived since dispatch already accounts for this request (or its completion).
@@ -209,6 +248,25 @@ mod tests {
             }
         );
         assert_eq!(load.last_report(), Some(report(5, 500, 11)));
+    }
+
+    #[test]
+    fn prefill_share_is_released_once_at_first_token_or_drop() {
+        let load = Arc::new(EndpointLoad::default());
+        let mut a = LoadGuard::acquire_with_prefill(load.clone(), 1000, 300, true);
+        let b = LoadGuard::acquire(load.clone(), 50, false);
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (2, 350));
+        a.first_token();
+        a.first_token();
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (1, 50));
+        assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (2, 1050));
+        drop(a);
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (1, 50));
+        assert_eq!(load.in_flight_requests(), 1);
+        // No first token before the end (an error, a disconnect): drop releases the prefill share too.
+        drop(b);
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (0, 0));
+        assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (0, 0));
     }
 
     #[test]

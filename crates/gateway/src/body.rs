@@ -4,8 +4,9 @@
 //! Whatever way the exchange ends (the upstream finishes, the upstream breaks, or the client disconnects and hyper
 //! drops this body), the [`LoadGuard`] is dropped exactly once with it, releasing the endpoint's in-flight count,
 //! and dropping the upstream body closes the upstream connection, which cancels the request at the engine. On the
-//! way it records the time to the first byte, and keeps the tail of the response to read the engine's usage report
-//! (prompt and cached tokens) at the end. An upstream body that breaks mid-way ends an SSE stream with one
+//! way it records the time to the first byte and releases the request's queued-prefill share there (the engine has
+//! finished its prefill), and keeps the tail of the response to read the engine's usage report (prompt and cached
+//! tokens) at the end, which goes to the metrics and to the policy's `observe`. An upstream body that breaks mid-way ends an SSE stream with one
 //! `data: {"error": …}` event and no `[DONE]` (what OpenAI clients raise on), and breaks any other body.
 
 use std::pin::Pin;
@@ -21,6 +22,9 @@ use serde_json::Value;
 use crate::registry::{Failure, Registry};
 use crate::telemetry;
 
+/// Called once with the engine-reported cached tokens of the request (the policy's `observe`).
+pub type Observer = Box<dyn FnOnce(u64) + Send>;
+
 /// How much of the end of a response is kept for the usage report.
 const TAIL_BYTES: usize = 64 << 10;
 /// Whole JSON (non-streaming) responses up to this size are kept to read their usage.
@@ -32,6 +36,7 @@ pub struct GuardedBody {
     endpoint: EndpointId,
     label: String,
     registry: Arc<Registry>,
+    observer: Option<Observer>,
     received: Instant,
     first_byte: bool,
     sse: bool,
@@ -46,6 +51,7 @@ impl GuardedBody {
         guard: LoadGuard,
         endpoint: EndpointId,
         registry: Arc<Registry>,
+        observer: Observer,
         received: Instant,
         sse: bool,
     ) -> Self {
@@ -55,6 +61,7 @@ impl GuardedBody {
             endpoint,
             label: endpoint.to_string(),
             registry,
+            observer: Some(observer),
             received,
             first_byte: false,
             sse,
@@ -79,6 +86,9 @@ impl GuardedBody {
         if let Some((prompt, cached)) = usage(&self.tail, self.sse, self.truncated) {
             metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(prompt);
             metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(cached);
+            if let Some(observe) = self.observer.take() {
+                observe(cached);
+            }
         }
         self.guard = None;
     }
@@ -103,6 +113,10 @@ impl Body for GuardedBody {
                 if let Some(data) = frame.data_ref() {
                     if !this.first_byte && !data.is_empty() {
                         this.first_byte = true;
+                        // The engine finished prefill: the request's queued-prefill share is released.
+                        if let Some(guard) = this.guard.as_mut() {
+                            guard.first_token();
+                        }
                         if this.sse {
                             let ttft = this.received.elapsed().as_secs_f64();
                             metrics::histogram!(telemetry::TTFT, "endpoint" => this.label.clone()).record(ttft);

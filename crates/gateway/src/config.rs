@@ -109,7 +109,7 @@ pub struct LoadConfig {
 pub struct GatewayConfig {
     pub listen: SocketAddr,
     pub workers: Vec<WorkerConfig>,
-    /// The policy and its options (`policy = "prefix_match"`, …); default `prefix_match`.
+    /// The policy and its options (`policy = "prefix_match"`, …); default `cache_aware`.
     pub routing: PolicyConfig,
     pub health: HealthConfig,
     pub load: LoadConfig,
@@ -131,7 +131,7 @@ impl Default for GatewayConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 8000)),
             workers: Vec::new(),
-            routing: PolicyConfig::PrefixMatch(Default::default()),
+            routing: PolicyConfig::CacheAware(Default::default()),
             health: HealthConfig::default(),
             load: LoadConfig::default(),
             max_body_bytes: 64 << 20,

@@ -17,7 +17,7 @@ use dprouter_core::{dispatch, Branch, Dispatch, RouteRequest};
 use http_body_util::{BodyExt, Full, Limited};
 use serde_json::{Map, Value};
 
-use crate::body::GuardedBody;
+use crate::body::{GuardedBody, Observer};
 use crate::config::Backend;
 use crate::error::ApiError;
 use crate::registry::{Failure, Membership, Target};
@@ -180,7 +180,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     state.registry.record_success(target.id);
                 }
-                return Ok(relay(state, response, dispatched, target, received));
+                return Ok(relay(state, response, dispatched, target, parsed.route, received));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -223,6 +223,7 @@ fn relay(
     response: hyper::Response<hyper::body::Incoming>,
     dispatched: Dispatch,
     target: &Target,
+    route: RouteRequest,
     received: Instant,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
@@ -231,11 +232,14 @@ fn relay(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
+    let (policy_state, pick, endpoint) = (Arc::clone(state), dispatched.pick, target.id);
+    let observer: Observer = Box::new(move |cached| policy_state.policy.observe(endpoint, &route, &pick, cached));
     let body = GuardedBody::new(
         incoming,
         dispatched.guard,
         target.id,
         Arc::clone(&state.registry),
+        observer,
         received,
         sse,
     );

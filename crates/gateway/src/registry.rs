@@ -18,6 +18,7 @@ use arc_swap::ArcSwap;
 use dprouter_core::{Endpoint, EndpointId, EndpointLoad, Snapshot, WorkerId};
 
 use crate::config::{Backend, HealthConfig, RankField, WorkerConfig};
+use crate::upstream::WorkerInfo;
 
 /// Where and how to send a request for one endpoint.
 #[derive(Debug, Clone)]
@@ -63,6 +64,8 @@ pub struct WorkerState {
     pub url: String,
     pub backend: Backend,
     pub rank_field: RankField,
+    /// KV cache tokens per rank, when the engine reported it.
+    pub kv_capacity: Option<u64>,
     pub endpoints: Vec<EndpointState>,
     active_healthy: AtomicBool,
     probe_failures: AtomicU32,
@@ -123,15 +126,16 @@ impl Registry {
         self.lock().iter().filter(|w| w.backend == backend).cloned().collect()
     }
 
-    /// Adds a worker whose `dp_size` is known (healthy until proven otherwise) and returns its id.
-    pub fn add_worker(&self, config: &WorkerConfig, dp_size: u32) -> WorkerId {
+    /// Adds a discovered worker (healthy until proven otherwise) and returns its id.
+    pub fn add_worker(&self, config: &WorkerConfig, info: WorkerInfo) -> WorkerId {
         let id = WorkerId(self.next_worker.fetch_add(1, Relaxed));
         let worker = Arc::new(WorkerState {
             id,
             url: config.url.trim_end_matches('/').to_string(),
             backend: config.backend,
             rank_field: config.rank_field,
-            endpoints: (0..dp_size)
+            kv_capacity: info.kv_capacity,
+            endpoints: (0..info.dp_size)
                 .map(|rank| EndpointState {
                     id: EndpointId {
                         worker: id,
@@ -255,6 +259,7 @@ impl Registry {
                     id: e.id,
                     healthy: w.endpoint_healthy(e),
                     load: Arc::clone(&e.load),
+                    kv_capacity: w.kv_capacity,
                 });
                 targets.push(Target {
                     id: e.id,
@@ -284,6 +289,13 @@ mod tests {
         }
     }
 
+    fn info(dp_size: u32) -> WorkerInfo {
+        WorkerInfo {
+            dp_size,
+            kv_capacity: Some(1000),
+        }
+    }
+
     fn healthy(r: &Registry) -> Vec<usize> {
         r.membership().snapshot.healthy().to_vec()
     }
@@ -291,12 +303,13 @@ mod tests {
     #[test]
     fn workers_expand_to_endpoints_in_order() {
         let r = Registry::new(HealthConfig::default());
-        let a = r.add_worker(&worker("http://a:1/"), 2);
-        let b = r.add_worker(&worker("http://b:1"), 3);
+        let a = r.add_worker(&worker("http://a:1/"), info(2));
+        let b = r.add_worker(&worker("http://b:1"), info(3));
         let m = r.membership();
         assert_eq!(m.snapshot.len(), 5);
         assert_eq!(m.targets[1].base, "http://a:1");
         assert_eq!((m.targets[2].id.worker, m.targets[2].id.dp_rank), (b, 0));
+        assert_eq!(m.snapshot.endpoints()[4].kv_capacity, Some(1000));
         assert!(r.remove_worker(a));
         assert!(!r.remove_worker(a));
         assert_eq!(r.membership().snapshot.len(), 3);
@@ -310,7 +323,7 @@ mod tests {
             passive_failure_threshold: 2,
             ..HealthConfig::default()
         });
-        let w = r.add_worker(&worker("http://a:1"), 2);
+        let w = r.add_worker(&worker("http://a:1"), info(2));
         r.record_probe(w, false);
         assert_eq!(healthy(&r), vec![0, 1], "one failed probe is not enough");
         r.record_probe(w, false);
@@ -337,7 +350,7 @@ mod tests {
     #[test]
     fn load_counters_survive_rebuilds() {
         let r = Registry::new(HealthConfig::default());
-        let w = r.add_worker(&worker("http://a:1"), 1);
+        let w = r.add_worker(&worker("http://a:1"), info(1));
         let before = Arc::clone(&r.membership().snapshot.endpoints()[0].load);
         r.record_failure(EndpointId { worker: w, dp_rank: 0 }, Failure::Connect);
         assert!(Arc::ptr_eq(&before, &r.membership().snapshot.endpoints()[0].load));

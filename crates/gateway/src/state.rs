@@ -54,17 +54,18 @@ impl AppState {
     pub async fn add_worker(&self, worker: &WorkerConfig) -> Result<(WorkerId, u32), StartError> {
         crate::config::validate_worker(worker)?;
         let timeout = Duration::from_millis(self.config.health.timeout_ms.max(self.config.connect_timeout_ms));
-        let dp_size = self
+        let info = self
             .upstream
-            .discover_dp_size(worker, timeout)
+            .discover(worker, timeout)
             .await
             .map_err(|message| StartError::Worker {
                 url: worker.url.clone(),
                 message,
             })?;
-        let id = self.registry.add_worker(worker, dp_size);
-        tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size, worker = id.0, "worker added");
-        Ok((id, dp_size))
+        let id = self.registry.add_worker(worker, info);
+        tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,
+                       kv_capacity = ?info.kv_capacity, worker = id.0, "worker added");
+        Ok((id, info.dp_size))
     }
 
     pub fn count_decision(&self, branch: Branch) {

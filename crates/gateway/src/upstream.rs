@@ -81,22 +81,51 @@ impl Upstream {
         Ok(self.simple(Method::POST, url, timeout).await?.0)
     }
 
-    /// The number of DP ranks behind a worker: configured, or (SGLang) read from `/get_server_info`.
-    pub async fn discover_dp_size(&self, worker: &WorkerConfig, timeout: Duration) -> Result<u32, String> {
-        match (worker.backend, worker.dp_size) {
-            (_, Some(n)) => Ok(n),
-            (Backend::Vllm | Backend::Openai, None) => Ok(1),
-            (Backend::Sglang, None) => {
+    /// What a worker serves: its DP ranks (configured, or read from SGLang's `/get_server_info`) and, from SGLang,
+    /// each rank's KV capacity (`max_total_num_tokens`).
+    pub async fn discover(&self, worker: &WorkerConfig, timeout: Duration) -> Result<WorkerInfo, String> {
+        match worker.backend {
+            Backend::Vllm | Backend::Openai => Ok(WorkerInfo {
+                dp_size: worker.dp_size.unwrap_or(1),
+                kv_capacity: None,
+            }),
+            Backend::Sglang => {
                 let url = format!("{}/get_server_info", worker.url.trim_end_matches('/'));
-                let info = self.get_json(&url, timeout).await?;
-                info.get("dp_size")
+                let info = match (self.get_json(&url, timeout).await, worker.dp_size) {
+                    (Ok(info), _) => info,
+                    // The rank count is known; the capacity is a refinement.
+                    (Err(_), Some(dp_size)) => {
+                        return Ok(WorkerInfo {
+                            dp_size,
+                            kv_capacity: None,
+                        })
+                    }
+                    (Err(e), None) => return Err(format!("{e}; pass --dp-size")),
+                };
+                let reported = info
+                    .get("dp_size")
                     .and_then(Value::as_u64)
                     .and_then(|n| u32::try_from(n).ok())
-                    .filter(|&n| n >= 1)
-                    .ok_or_else(|| format!("{url}: no dp_size in the answer; pass --dp-size"))
+                    .filter(|&n| n >= 1);
+                let dp_size = worker
+                    .dp_size
+                    .or(reported)
+                    .ok_or_else(|| format!("{url}: no dp_size in the answer; pass --dp-size"))?;
+                Ok(WorkerInfo {
+                    dp_size,
+                    kv_capacity: info.get("max_total_num_tokens").and_then(Value::as_u64),
+                })
             }
         }
     }
+}
+
+/// What discovery learned about a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerInfo {
+    pub dp_size: u32,
+    /// KV cache tokens per rank, when the engine says.
+    pub kv_capacity: Option<u64>,
 }
 
 /// An error with its causes, for logs and messages ("client error (Connect): tcp connect error: refused").

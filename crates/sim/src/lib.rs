@@ -4,6 +4,7 @@
 //! ([`simulator::simulate`]); [`report::Summary`] condenses the outcome per policy. No I/O except reading traces.
 
 pub mod cost;
+pub mod oracle;
 pub mod radix;
 pub mod report;
 pub mod simulator;
@@ -11,6 +12,7 @@ pub mod tokens;
 pub mod workload;
 
 pub use cost::{CostModel, Micros};
+pub use oracle::Oracle;
 pub use report::Summary;
-pub use simulator::{simulate, RequestRecord, SimConfig, SimOutcome};
+pub use simulator::{simulate, RankRemoval, RemovalMode, RequestRecord, SimConfig, SimOutcome};
 pub use workload::{SimRequest, Workload, WorkloadError, WorkloadSpec};

@@ -1,11 +1,11 @@
 //! Per-policy summaries of a simulation: the table `dprouter simulate` prints and its JSON.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use serde::Serialize;
 
 use crate::cost::MICROS_PER_SECOND;
-use crate::simulator::SimOutcome;
+use crate::simulator::{RequestRecord, SimOutcome};
 
 /// One row of the results table (field names are the `--json` keys).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -19,11 +19,39 @@ pub struct Summary {
     pub steady_ttft_p50_ms: f64,
     /// Cached prompt tokens over all prompt tokens.
     pub hit_rate: f64,
+    /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing).
+    pub oracle_hit_rate: f64,
     /// Completed requests per second of virtual time, first arrival to last finish.
     pub throughput_rps: f64,
     /// The busiest rank's routed requests over the mean per rank (1.0 is perfect balance).
     pub max_mean_load: f64,
     pub errors: u64,
+    /// With a rank removed mid-run: the fraction of prefix groups (with requests before and after the removal)
+    /// whose rank changed, from their last request before it to their first after it.
+    pub moved_groups: Option<f64>,
+    /// Requests per routing branch (`hit`, `spill`, `cold`, `affine`, …).
+    pub branches: BTreeMap<&'static str, usize>,
+}
+
+/// Of the groups with requests both before and at-or-after `at`, the fraction whose rank changed between their
+/// last request before and their first request after. `None` when no group spans `at`.
+pub fn moved_fraction(records: &[RequestRecord], at: u64) -> Option<f64> {
+    let mut sorted: Vec<&RequestRecord> = records.iter().collect();
+    sorted.sort_by_key(|r| (r.arrival, r.id));
+    let mut before: HashMap<u64, usize> = HashMap::new();
+    let mut after: HashMap<u64, usize> = HashMap::new();
+    for r in sorted {
+        if r.arrival < at {
+            before.insert(r.group, r.rank);
+        } else {
+            after.entry(r.group).or_insert(r.rank);
+        }
+    }
+    let spanning: Vec<bool> = before
+        .iter()
+        .filter_map(|(g, b)| after.get(g).map(|a| a != b))
+        .collect();
+    (!spanning.is_empty()).then(|| spanning.iter().filter(|&&m| m).count() as f64 / spanning.len() as f64)
 }
 
 /// Nearest-rank percentile of sorted values; 0 for none.
@@ -83,19 +111,45 @@ impl Summary {
             throughput_rps: if span > 0.0 { records.len() as f64 / span } else { 0.0 },
             max_mean_load: if mean > 0.0 { max / mean } else { 0.0 },
             errors: outcome.errors,
+            oracle_hit_rate: outcome.oracle_hit_rate,
+            moved_groups: outcome
+                .removal
+                .and_then(|removal| moved_fraction(&outcome.records, removal.at)),
+            branches: records.iter().fold(BTreeMap::new(), |mut m, r| {
+                *m.entry(r.branch.as_str()).or_insert(0) += 1;
+                m
+            }),
         }
     }
 }
 
 /// The results as an aligned text table.
 pub fn table(rows: &[Summary]) -> String {
+    let moved = rows.iter().any(|r| r.moved_groups.is_some());
+    let width = rows.iter().map(|r| r.policy.len()).max().unwrap_or(0).max(22);
     let mut out = format!(
-        "{:<22} {:>8} {:>10} {:>10} {:>10} {:>11} {:>6} {:>8} {:>8} {:>6}\n",
-        "policy", "requests", "ttft_mean", "ttft_p50", "ttft_p99", "steady_p50", "hit", "req/s", "max/mean", "errors"
+        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>11} {:>6} {:>6} {:>8} {:>8} {:>6}{}\n",
+        "policy",
+        "requests",
+        "ttft_mean",
+        "ttft_p50",
+        "ttft_p99",
+        "steady_p50",
+        "hit",
+        "of_orc",
+        "req/s",
+        "max/mean",
+        "errors",
+        if moved { "  moved" } else { "" }
     );
     for r in rows {
+        let of_oracle = if r.oracle_hit_rate > 0.0 {
+            r.hit_rate / r.oracle_hit_rate
+        } else {
+            0.0
+        };
         out.push_str(&format!(
-            "{:<22} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>11.0} {:>6.3} {:>8.3} {:>8.2} {:>6}\n",
+            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>11.0} {:>6.3} {:>6.3} {:>8.3} {:>8.2} {:>6}{}\n",
             r.policy,
             r.requests,
             r.ttft_mean_ms,
@@ -103,12 +157,36 @@ pub fn table(rows: &[Summary]) -> String {
             r.ttft_p99_ms,
             r.steady_ttft_p50_ms,
             r.hit_rate,
+            of_oracle,
             r.throughput_rps,
             r.max_mean_load,
-            r.errors
+            r.errors,
+            match (moved, r.moved_groups) {
+                (true, Some(m)) => format!(" {m:>6.3}"),
+                (true, None) => format!(" {:>6}", "-"),
+                _ => String::new(),
+            }
         ));
     }
-    out.push_str("(TTFT in ms; steady_p50 excludes the first request of each prefix group)\n");
+    let oracle: Vec<f64> = rows.iter().map(|r| r.oracle_hit_rate).collect();
+    let (lo, hi) = oracle.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &o| {
+        (lo.min(o), hi.max(o))
+    });
+    if !oracle.is_empty() {
+        if hi - lo < 5e-4 {
+            out.push_str(&format!("oracle hit rate (one infinite cache): {hi:.3}\n"));
+        } else {
+            out.push_str(&format!(
+                "oracle hit rate (one infinite cache, arrival order differs per policy): {lo:.3}..{hi:.3}\n"
+            ));
+        }
+    }
+    out.push_str("(TTFT in ms; steady_p50 excludes the first request of each prefix group; of_orc = hit / oracle");
+    out.push_str(if moved {
+        "; moved = fraction of prefix groups whose rank changed at the removal)\n"
+    } else {
+        ")\n"
+    });
     out
 }
 
@@ -125,5 +203,36 @@ mod tests {
         );
         assert_eq!(percentile(&[7.0], 99.0), 7.0);
         assert_eq!(percentile(&[], 50.0), 0.0);
+    }
+
+    fn record(id: u64, group: u64, rank: usize, arrival: u64) -> RequestRecord {
+        RequestRecord {
+            id,
+            group,
+            rank,
+            branch: dprouter_core::Branch::Hashed,
+            arrival,
+            first_token: arrival,
+            finish: arrival,
+            prompt_tokens: 10,
+            cached_tokens: 0,
+        }
+    }
+
+    #[test]
+    fn moved_compares_the_last_rank_before_with_the_first_after() {
+        let records = [
+            record(0, 1, 0, 5),
+            record(1, 1, 3, 8),
+            record(2, 1, 3, 10),
+            record(3, 1, 0, 12),
+            record(4, 2, 1, 1),
+            record(5, 2, 2, 11),
+            record(6, 3, 4, 20),
+            record(7, 4, 5, 1),
+        ];
+        // Group 1: 3 then 3 (stays); group 2: 1 then 2 (moves); groups 3 and 4 do not span the removal at 10.
+        assert_eq!(moved_fraction(&records, 10), Some(0.5));
+        assert_eq!(moved_fraction(&records, 100), None);
     }
 }

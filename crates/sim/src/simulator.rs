@@ -5,8 +5,15 @@
 //! served; at prefill start the rank matches the prompt against its cache and pins the hit; the first token comes
 //! `base + uncached / prefill_rate` later, when the prompt is cached; decode follows, and at the end the prompt plus
 //! the answer are cached and the pin released. Routing goes through [`dispatch`], so in-flight load is held by a
-//! [`LoadGuard`] until the request finishes. Every `report_interval` (checked at each arrival) every rank publishes
-//! an [`EngineReport`] (running + waiting requests; pinned KV plus queued prompt tokens), as SGLang's schedulers do.
+//! [`LoadGuard`] until the request finishes; its queued-prefill share is released ([`LoadGuard::first_token`]) when
+//! prefill completes. At prefill start the policy is told how much of the prompt the rank really had cached
+//! ([`Policy::observe`]), as an engine's `cached_tokens` would. Every `report_interval` (checked at each arrival)
+//! every rank publishes an [`EngineReport`] (running + waiting requests; pinned KV plus queued prompt tokens), as
+//! SGLang's schedulers do. Ranks are endpoints `(worker 0, dp_rank)` with the cost model's KV capacity.
+//!
+//! Every arrival is also fed to an [`Oracle`]: the hit rate one infinite cache would reach on the same requests.
+//! Optionally one rank is removed at a given time ([`RankRemoval`]): marked down in the snapshot, or dropped from it
+//! (the remaining endpoints renumbered); the work already queued on it still completes.
 //!
 //! Deterministic: events at equal times run in the order they were scheduled. Cost per request: O(prompt length)
 //! for cache matching plus O(log events) for the queue; per report: O(ranks).
@@ -14,9 +21,14 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
 
-use dprouter_core::{dispatch, Branch, EngineReport, LoadGuard, Policy, RouteRequest, Snapshot};
+use std::sync::Arc;
+
+use dprouter_core::{
+    dispatch, Branch, Endpoint, EndpointId, EndpointLoad, EngineReport, LoadGuard, Pick, Policy, RouteRequest, Snapshot,
+};
 
 use crate::cost::{CostModel, Micros};
+use crate::oracle::Oracle;
 use crate::radix::{LockId, RadixCache};
 use crate::tokens;
 use crate::workload::{SimRequest, Workload, WorkloadError};
@@ -30,6 +42,28 @@ pub struct SimConfig {
     pub report_interval: Micros,
     /// Seeds synthetic outputs (must match the workload's seed).
     pub seed: u64,
+    /// Take one rank out of service mid-run.
+    pub removal: Option<RankRemoval>,
+}
+
+/// One rank leaving service at a point in virtual time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankRemoval {
+    pub rank: usize,
+    pub at: Micros,
+    pub mode: RemovalMode,
+}
+
+/// How a [`RankRemoval`] takes its rank out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemovalMode {
+    /// The snapshot marks the rank down (membership unchanged).
+    Down,
+    /// The snapshot drops it and the ranks after it move down one position, as when an engine restarts with one
+    /// rank fewer.
+    Drop,
+    /// Nothing is removed: a control run, measuring how often groups change rank anyway (load spills).
+    Control,
 }
 
 /// What happened to one request.
@@ -63,10 +97,17 @@ pub struct SimOutcome {
     pub routed_per_rank: Vec<u64>,
     /// In-flight requests the load table still counts after the run: 0 unless a guard leaked.
     pub in_flight_at_end: u64,
+    /// Queued-prefill requests the load table still counts after the run: 0 unless a first token was lost.
+    pub queued_prefill_at_end: u64,
+    /// Hit rate of one infinite cache fed the same requests in arrival order (see [`Oracle`]).
+    pub oracle_hit_rate: f64,
+    /// The removal applied during the run, if any.
+    pub removal: Option<RankRemoval>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
+    Removal,
     Arrival(usize),
     PrefillDone(usize),
     DecodeDone(usize),
@@ -75,8 +116,11 @@ enum Event {
 struct Live {
     req: SimRequest,
     open_loop: bool,
+    /// The simulated rank (the endpoint's `dp_rank`, whatever its snapshot position).
     rank: usize,
     branch: Branch,
+    /// What the policy saw and decided, for its feedback.
+    routed: Option<(RouteRequest, Pick, EndpointId)>,
     guard: Option<LoadGuard>,
     lock: Option<LockId>,
     cached: usize,
@@ -96,6 +140,9 @@ struct Sim<'a> {
     workload: &'a mut dyn Workload,
     config: &'a SimConfig,
     snap: Snapshot,
+    /// Each simulated rank's load counters (shared with every snapshot's endpoint of that rank).
+    loads: Vec<Arc<EndpointLoad>>,
+    oracle: Oracle,
     ranks: Vec<Rank>,
     live: Vec<Option<Live>>,
     free: Vec<usize>,
@@ -114,11 +161,19 @@ pub fn simulate(
     on_progress: &mut dyn FnMut(usize),
 ) -> Result<SimOutcome, WorkloadError> {
     let dp = config.dp_size as usize;
+    let kv = config.cost.kv_capacity as u64;
+    let snap = Snapshot::new(
+        (0..config.dp_size)
+            .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(kv))
+            .collect(),
+    );
     let mut sim = Sim {
         policy,
         workload,
         config,
-        snap: Snapshot::single_worker(config.dp_size),
+        loads: snap.endpoints().iter().map(|e| Arc::clone(&e.load)).collect(),
+        snap,
+        oracle: Oracle::default(),
         ranks: (0..dp)
             .map(|_| Rank {
                 cache: RadixCache::new(config.cost.kv_capacity, config.cost.page_size),
@@ -138,9 +193,14 @@ pub fn simulate(
             ..SimOutcome::default()
         },
     };
+    if let Some(removal) = config.removal.filter(|r| r.rank < dp) {
+        sim.schedule(removal.at, Event::Removal);
+        sim.outcome.removal = Some(removal);
+    }
     sim.pull_open_loop(0);
     while let Some(Reverse((now, _, event))) = sim.events.pop() {
         match event {
+            Event::Removal => sim.remove_rank(),
             Event::Arrival(slot) => sim.arrive(slot, now),
             Event::PrefillDone(rank) => sim.prefill_done(rank, now),
             Event::DecodeDone(slot) => {
@@ -155,7 +215,9 @@ pub fn simulate(
         return Err(err);
     }
     on_progress(sim.outcome.records.len());
-    sim.outcome.in_flight_at_end = sim.snap.endpoints().iter().map(|e| e.load.in_flight_requests()).sum();
+    sim.outcome.in_flight_at_end = sim.loads.iter().map(|l| l.in_flight_requests()).sum();
+    sim.outcome.queued_prefill_at_end = sim.loads.iter().map(|l| l.queued_prefill_requests()).sum();
+    sim.outcome.oracle_hit_rate = sim.oracle.hit_rate();
     Ok(sim.outcome)
 }
 
@@ -174,6 +236,7 @@ impl Sim<'_> {
             open_loop,
             rank: 0,
             branch: Branch::Turn,
+            routed: None,
             guard: None,
             lock: None,
             cached: 0,
@@ -212,7 +275,7 @@ impl Sim<'_> {
         self.last_report = Some(now);
         for (r, rank) in self.ranks.iter().enumerate() {
             let waiting = rank.queue.len() as u64;
-            self.snap.load(r).apply_report(EngineReport {
+            self.loads[r].apply_report(EngineReport {
                 requests: waiting + u64::from(rank.prefilling.is_some()) + rank.decoding as u64,
                 waiting,
                 tokens: rank.cache.locked_size() as u64 + rank.queued_tokens,
@@ -229,19 +292,28 @@ impl Sim<'_> {
         }
         self.publish_reports(now);
         let Some(live) = self.live[slot].as_mut() else { return };
+        let mut full = live.req.tokens.clone();
+        full.extend(tokens::output(
+            self.config.seed,
+            live.req.id,
+            live.req.output_tokens as usize,
+        ));
+        self.oracle.request(&live.req.tokens, &full);
         let route_req = RouteRequest::tokens(live.req.tokens.clone())
             .with_bootstrap_room(live.req.bootstrap_room(self.config.seed));
         match dispatch(self.policy, &self.snap, &route_req) {
             Ok(d) => {
-                live.rank = d.pick.rank;
+                let r = d.endpoint.dp_rank as usize;
+                live.rank = r;
                 live.branch = d.pick.branch;
                 live.guard = Some(d.guard);
-                let rank = &mut self.ranks[d.pick.rank];
+                live.routed = Some((route_req, d.pick, d.endpoint));
+                let rank = &mut self.ranks[r];
                 rank.queue.push_back(slot);
                 rank.queued_tokens += live.req.tokens.len() as u64;
-                self.outcome.routed_per_rank[d.pick.rank] += 1;
+                self.outcome.routed_per_rank[r] += 1;
                 if rank.prefilling.is_none() {
-                    self.start_prefill(d.pick.rank, now);
+                    self.start_prefill(r, now);
                 }
             }
             Err(_) => {
@@ -259,6 +331,9 @@ impl Sim<'_> {
         let cached = rank.cache.match_prefix(&live.req.tokens);
         live.lock = Some(rank.cache.lock(&live.req.tokens, cached));
         live.cached = cached;
+        if let Some((req, pick, endpoint)) = &live.routed {
+            self.policy.observe(*endpoint, req, pick, cached as u64);
+        }
         rank.prefilling = Some(slot);
         let done = now + self.config.cost.prefill(live.req.tokens.len() - cached);
         self.schedule(done, Event::PrefillDone(r));
@@ -269,6 +344,9 @@ impl Sim<'_> {
         let Some(slot) = rank.prefilling.take() else { return };
         if let Some(live) = self.live[slot].as_mut() {
             live.first_token = now;
+            if let Some(guard) = live.guard.as_mut() {
+                guard.first_token();
+            }
             rank.cache.insert(&live.req.tokens);
             let pin = rank.cache.lock(&live.req.tokens, live.req.tokens.len());
             if let Some(old) = live.lock.replace(pin) {
@@ -279,6 +357,19 @@ impl Sim<'_> {
             self.schedule(done, Event::DecodeDone(slot));
         }
         self.start_prefill(r, now);
+    }
+
+    /// Takes the configured rank out of the snapshot's service; its queued work goes on.
+    fn remove_rank(&mut self) {
+        let Some(removal) = self.outcome.removal else { return };
+        let gone = EndpointId::new(0, removal.rank as u32);
+        self.snap = match removal.mode {
+            RemovalMode::Control => return,
+            RemovalMode::Drop => {
+                Snapshot::new(self.snap.endpoints().iter().filter(|e| e.id != gone).cloned().collect())
+            }
+            RemovalMode::Down => self.snap.with_health(|_, e| e.healthy && e.id != gone),
+        };
     }
 
     fn decode_done(&mut self, slot: usize, now: Micros) {
@@ -325,6 +416,7 @@ mod tests {
             cost: CostModel::preset(preset).unwrap(),
             report_interval: 20_000,
             seed: 0,
+            removal: None,
         }
     }
 
@@ -387,7 +479,15 @@ mod tests {
                     (groups * per_group, run(policy, &mut GroupsWorkload::new(g.clone(), 1).unwrap(), &cfg)),
                     (agents * u64::from(turns), run(policy, &mut agents_workload(a.clone()), &cfg)),
                 ] {
-                    proptest::prop_assert_eq!((out.records.len() as u64, out.errors, out.in_flight_at_end), (expected, 0, 0));
+                    proptest::prop_assert_eq!(
+                        (out.records.len() as u64, out.errors, out.in_flight_at_end, out.queued_prefill_at_end),
+                        (expected, 0, 0, 0)
+                    );
+                    // The oracle may undercount by less than one of its blocks per request.
+                    let s = Summary::new(policy, &out);
+                    let prompt: usize = out.records.iter().map(|r| r.prompt_tokens).sum();
+                    let slack = (crate::oracle::BLOCK * out.records.len()) as f64 / prompt.max(1) as f64;
+                    proptest::prop_assert!(s.hit_rate <= out.oracle_hit_rate + slack, "{} hit {} > oracle {}", policy, s.hit_rate, out.oracle_hit_rate);
                     proptest::prop_assert_eq!(out.routed_per_rank.iter().sum::<u64>(), expected);
                     for r in &out.records {
                         proptest::prop_assert!(r.cached_tokens < r.prompt_tokens.max(1));
@@ -396,6 +496,51 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_removed_rank_moves_every_prefix_for_prefix_match_but_only_its_own_for_prefix_affinity() {
+        let groups = GroupsConfig {
+            groups: 200,
+            prompts_per_group: 8,
+            system_len: 1024,
+            question_len: 64,
+            output_tokens: 8,
+            rate: 200.0,
+        };
+        // No cost, so no load: every move is the removal's, none a load spill.
+        let moved = |policy: &str, mode: RemovalMode| {
+            let mut cfg = config(8, "zero");
+            cfg.removal = Some(RankRemoval {
+                rank: 3,
+                at: 4_000_000,
+                mode,
+            });
+            let out = run(policy, &mut GroupsWorkload::new(groups.clone(), 1).unwrap(), &cfg);
+            assert_eq!((out.errors, out.records.len()), (0, 1600));
+            if mode != RemovalMode::Control {
+                assert!(out.records.iter().all(|r| r.rank != 3 || r.arrival < 4_000_000));
+            }
+            Summary::new(policy, &out).moved_groups.unwrap()
+        };
+        // Marked down, prefix_match moves only rank 3's keys (to rank 4); dropped, `% 7` moves nearly all.
+        assert_eq!(moved("prefix_match", RemovalMode::Control), 0.0);
+        assert!(moved("prefix_match", RemovalMode::Down) < 0.25);
+        assert!(moved("prefix_match", RemovalMode::Drop) > 0.75);
+        assert!(moved("prefix_affinity", RemovalMode::Drop) < 0.25);
+        assert!(moved("cache_aware", RemovalMode::Drop) < 0.25);
+    }
+
+    #[test]
+    fn the_oracle_bounds_every_policy_and_matches_the_seed_workload() {
+        let out = run(
+            "round_robin",
+            &mut agents_workload(AgentConfig::default()),
+            &config(16, "seed-moe"),
+        );
+        // One infinite cache misses only the first prompt and the new user turns.
+        assert!((out.oracle_hit_rate - 0.966).abs() < 0.001, "{}", out.oracle_hit_rate);
+        assert!(Summary::new("round_robin", &out).hit_rate < out.oracle_hit_rate);
     }
 
     #[test]

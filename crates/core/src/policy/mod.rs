@@ -4,6 +4,10 @@
 //! advances a policy's counters and is never counted speculatively), then asks the policy. [`dispatch`] also takes
 //! the request's share of the endpoint's load in a [`LoadGuard`]. Policies never see down endpoints as candidates:
 //! they choose among [`Snapshot::healthy`].
+//!
+//! Feedback hooks (default no-ops): `route` calls [`Policy::routed`] after every decision, overrides included, so
+//! a cache-aware policy records where each prompt went; the front end calls [`Policy::observe`] when the engine
+//! reports how much of a routed prompt it had cached (SGLang's `cached_tokens`).
 
 use std::sync::Arc;
 
@@ -12,13 +16,17 @@ use crate::error::RouteError;
 use crate::load::LoadGuard;
 use crate::request::RouteRequest;
 
+pub mod cache_aware;
 pub mod follow_bootstrap_room;
+pub mod prefix_affinity;
 pub mod prefix_match;
 pub mod round_robin;
 pub mod total_requests;
 pub mod total_tokens;
 
+pub use cache_aware::{CacheAware, CacheAwareConfig, IndexStats};
 pub use follow_bootstrap_room::FollowBootstrapRoom;
+pub use prefix_affinity::{AffinityLoad, PrefixAffinity, PrefixAffinityConfig};
 pub use prefix_match::PrefixMatch;
 pub use round_robin::RoundRobin;
 pub use total_requests::TotalRequests;
@@ -39,6 +47,14 @@ pub enum Branch {
     Fallback,
     /// Nothing to key on (empty prompt); round-robin turn.
     Empty,
+    /// The key's first choice (rendezvous order) took it.
+    Affine,
+    /// The preferred endpoint was over its load bound, or a less cached endpoint promised an earlier first token.
+    Spill,
+    /// The endpoint holding the longest cached prefix took it.
+    Hit,
+    /// No endpoint holds any of the prompt: placed by rendezvous hashing among the least loaded.
+    Cold,
 }
 
 impl Branch {
@@ -50,45 +66,69 @@ impl Branch {
             Branch::Hashed => "hashed",
             Branch::Fallback => "fallback",
             Branch::Empty => "empty",
+            Branch::Affine => "affine",
+            Branch::Spill => "spill",
+            Branch::Hit => "hit",
+            Branch::Cold => "cold",
         }
     }
 }
 
-/// A routing decision: the endpoint's global rank in the snapshot, and why.
+/// A routing decision: the endpoint's global rank in the snapshot, why, and (from cache-aware policies) how many
+/// prompt tokens the endpoint is predicted to have to prefill.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pick {
     pub rank: usize,
     pub branch: Branch,
+    /// Predicted uncached prompt tokens; `None` means the whole prompt. [`dispatch`] counts it as queued prefill.
+    pub prefill_tokens: Option<u64>,
 }
 
 impl Pick {
     pub fn new(rank: usize, branch: Branch) -> Self {
-        Self { rank, branch }
+        Self {
+            rank,
+            branch,
+            prefill_tokens: None,
+        }
+    }
+
+    pub fn with_prefill(mut self, tokens: u64) -> Self {
+        self.prefill_tokens = Some(tokens);
+        self
     }
 }
 
 /// A load-balancing method.
 ///
 /// `choose` is called only for requests without a rank override, with a snapshot that has at least one healthy
-/// endpoint, and must return a healthy endpoint's rank. Implementations use interior mutability (atomics) and are
-/// shared across threads.
+/// endpoint, and must return a healthy endpoint's rank. Implementations use interior mutability (atomics, short
+/// locks) and are shared across threads.
 pub trait Policy: Send + Sync {
     /// The config name (`round_robin`, `prefix_match`, …).
     fn name(&self) -> &'static str;
 
     fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError>;
+
+    /// Called by [`route`] after every successful decision, rank overrides included: `req` goes to `pick.rank`.
+    fn routed(&self, _snap: &Snapshot, _req: &RouteRequest, _pick: &Pick) {}
+
+    /// Engine feedback: `endpoint` had `cached_tokens` of `req`'s prompt in its prefix cache when it started it
+    /// (SGLang `meta_info.cached_tokens`, OpenAI `usage.prompt_tokens_details.cached_tokens`). `pick` is the
+    /// decision that sent it there. Call it once per request, as soon as the number is known.
+    fn observe(&self, _endpoint: EndpointId, _req: &RouteRequest, _pick: &Pick, _cached_tokens: u64) {}
 }
 
-/// Routes one request: the override if the client gave one, otherwise the policy's choice.
+/// Routes one request: the override if the client gave one, otherwise the policy's choice; then tells the policy
+/// ([`Policy::routed`]).
 pub fn route(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
-    if let Some(rank) = req.rank_override {
-        return override_pick(snap, rank);
-    }
-    if snap.healthy().is_empty() {
-        return Err(RouteError::NoHealthyEndpoint);
-    }
-    let pick = policy.choose(snap, req)?;
+    let pick = match req.rank_override {
+        Some(rank) => override_pick(snap, rank)?,
+        None if snap.healthy().is_empty() => return Err(RouteError::NoHealthyEndpoint),
+        None => policy.choose(snap, req)?,
+    };
     debug_assert!(snap.is_healthy(pick.rank), "{} chose a down endpoint", policy.name());
+    policy.routed(snap, req, &pick);
     Ok(pick)
 }
 
@@ -111,13 +151,16 @@ pub struct Dispatch {
     pub guard: LoadGuard,
 }
 
-/// [`route`], then counts the request in flight at the chosen endpoint (speculatively too, unless overridden).
+/// [`route`], then counts the request in flight at the chosen endpoint (speculatively too, unless overridden) and
+/// its predicted uncached tokens (the whole prompt without a prediction) as queued prefill. The front end calls
+/// [`LoadGuard::first_token`] on the guard when the first token arrives.
 pub fn dispatch(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Dispatch, RouteError> {
     let pick = route(policy, snap, req)?;
     let endpoint = &snap.endpoints()[pick.rank];
-    let guard = LoadGuard::acquire(
+    let guard = LoadGuard::acquire_with_prefill(
         Arc::clone(&endpoint.load),
         req.input_tokens,
+        pick.prefill_tokens.unwrap_or(req.input_tokens),
         pick.branch != Branch::Override,
     );
     Ok(Dispatch {

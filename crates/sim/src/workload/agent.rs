@@ -18,8 +18,11 @@ pub struct AgentConfig {
     /// Distinct prefixes the agents share round-robin.
     pub prefixes: u64,
     pub prefix_len: usize,
-    /// Requests per agent.
+    /// Requests per agent (the most, when `min_turns` is set).
     pub turns: u32,
+    /// When in 1..turns: each agent makes a number of requests drawn uniformly from `min_turns..=turns`, so
+    /// conversations end at different lengths. 0: every agent makes `turns`.
+    pub min_turns: u32,
     /// Tokens of each new user turn.
     pub user_tokens: usize,
     /// Tokens of each answer.
@@ -39,6 +42,7 @@ impl Default for AgentConfig {
             prefixes: 1,
             prefix_len: 22_651,
             turns: 30,
+            min_turns: 0,
             user_tokens: 200,
             output_tokens: 150,
             think_s: 1.0,
@@ -75,6 +79,15 @@ impl AgentWorkload {
         })
     }
 
+    /// The number of requests agent `agent` makes.
+    pub fn turns_of(&self, agent: u64) -> u32 {
+        let (lo, hi) = (self.config.min_turns, self.config.turns);
+        if lo == 0 || lo >= hi {
+            return hi;
+        }
+        lo + (tokens::mix(self.seed ^ tokens::mix(agent ^ 0x7_0125)) % u64::from(hi - lo + 1)) as u32
+    }
+
     fn request(&self, agent: u64, turn: u32, mut tokens: Vec<u32>, arrival: Micros) -> SimRequest {
         let id = agent * u64::from(self.config.turns) + u64::from(turn);
         tokens::extend(&mut tokens, self.seed, Namespace::UserTurn, id, self.config.user_tokens);
@@ -107,7 +120,7 @@ impl Workload for AgentWorkload {
     fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Option<SimRequest> {
         let turns = u64::from(self.config.turns);
         let (agent, turn) = (finished.id / turns, (finished.id % turns) as u32);
-        if turn + 1 >= self.config.turns {
+        if turn + 1 >= self.turns_of(agent) {
             return None;
         }
         let mut conversation = finished.tokens.clone();
@@ -148,5 +161,31 @@ mod tests {
         let a2 = w.on_finish(&a1, &out, 9_000_000).unwrap();
         assert!(w.on_finish(&a2, &out, 10_000_000).is_none(), "three turns only");
         assert_eq!((a1.id, a2.id, b0.id), (1, 2, 3));
+    }
+
+    #[test]
+    fn min_turns_draws_each_agents_length_in_range() {
+        let config = AgentConfig {
+            agents: 200,
+            turns: 9,
+            min_turns: 4,
+            ..AgentConfig::default()
+        };
+        let w = AgentWorkload::new(config, 1).unwrap();
+        let lengths: Vec<u32> = (0..200).map(|a| w.turns_of(a)).collect();
+        assert!(lengths.iter().all(|t| (4..=9).contains(t)));
+        assert!(lengths.contains(&4) && lengths.contains(&9));
+        let mut w = AgentWorkload::new(
+            AgentConfig {
+                turns: 2,
+                min_turns: 1,
+                ..AgentConfig::default()
+            },
+            1,
+        )
+        .unwrap();
+        let first = w.next_arrival().unwrap();
+        let done_after_one = w.turns_of(0) == 1;
+        assert_eq!(w.on_finish(&first, &[], 0).is_none(), done_after_one);
     }
 }

@@ -107,8 +107,16 @@ impl WorkloadSpec {
     pub fn name(&self) -> String {
         match self {
             Self::Agent(c) => format!(
-                "agent(agents={},prefixes={},prefix_len={})",
-                c.agents, c.prefixes, c.prefix_len
+                "agent(agents={},prefixes={},prefix_len={},turns={}{})",
+                c.agents,
+                c.prefixes,
+                c.prefix_len,
+                c.turns,
+                if c.min_turns > 0 {
+                    format!(",min_turns={}", c.min_turns)
+                } else {
+                    String::new()
+                }
             ),
             Self::Groups(c) => format!("groups({}x{},system={})", c.groups, c.prompts_per_group, c.system_len),
             Self::Trace(c) => format!("trace({})", c.path),

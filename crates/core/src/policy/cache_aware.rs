@@ -1,0 +1,536 @@
+//! `cache_aware`: the endpoint with the lowest predicted time to first token, from an index of which endpoint
+//! recently received which prompt blocks.
+//!
+//! Algorithm, per request:
+//! 1. Hash the prompt's whole blocks, chained ([`crate::hashing::block_hashes`]; `block_tokens` tokens, or
+//!    `4 · block_tokens` bytes of a text prompt).
+//! 2. Look the blocks up in the [`BlockIndex`]: for every endpoint, how many leading blocks it holds, so how many
+//!    prompt tokens it has cached (`cached`, at most the prompt length − 1: the engine recomputes the last token).
+//! 3. For every healthy endpoint predict
+//!    `TTFT = base · (queued + 1) + (queued_tokens + prompt − cached) / prefill_rate`, with `queued` and
+//!    `queued_tokens` the endpoint's requests waiting for their first token and their predicted uncached tokens
+//!    (the load model's queued prefill, [`crate::load`]); `base` is paid per prefill, as on an engine that prefills
+//!    one request at a time. Take the lowest `TTFT + congestion_weight · queued · own`, where `own` is this
+//!    request's own prefill time there (`(prompt − cached) / prefill_rate`): recomputing a prefix on a busy
+//!    endpoint also delays the requests that will queue behind it there, about as many as queue there now.
+//!    Without that term (`congestion_weight = 0`) a busy fleet spreads every request to the shortest queue,
+//!    recomputes prefixes it already holds, and the extra work makes the queues longer still (mean TTFT 739 ms
+//!    against 167 ms in the README's loaded `groups` run). The term counts the candidate's own queue, not the
+//!    fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still spreads to idle endpoints (a
+//!    fleet-wide count piled 16 agents on one prefix onto few of 8 ranks, mean TTFT 5.6 s against 1.5 s). Ties
+//!    go to the longer match, then the fewer requests in flight, then the higher rendezvous score of the prompt's
+//!    first block. So a prompt that no endpoint holds (branch `cold`) goes to the least loaded endpoints'
+//!    rendezvous choice, and replicas agree on cold placements of an idle fleet. Cache
+//!    affinity and load balance come from one cost, with no hit or miss thresholds.
+//! 4. [`Policy::routed`] (every decision, rank overrides included) records the prompt's blocks for the chosen
+//!    endpoint; each endpoint forgets its least recently used blocks beyond its KV capacity
+//!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`).
+//! 5. [`Policy::observe`]: when the engine reports it held fewer cached tokens than the pick predicted, the
+//!    endpoint loses the prompt's blocks past what it held (`correct_on_feedback`). This repairs an index that
+//!    believes too much (an engine restarted or flushed, a capacity set too high). When the engine does cache the
+//!    prompt it has just prefilled, the forgotten blocks are back on the engine at once and the index learns them
+//!    again from the next request routed with them.
+//!
+//! Branches: `hit` (the chosen endpoint holds the longest match), `spill` (a shorter match cost less: an earlier
+//! first token), `cold` (no endpoint holds any block), `empty` (no prompt: round-robin turn).
+//!
+//! State: the index is keyed by stable [`EndpointId`]s through slots; the rank-to-slot table and capacities are
+//! rebuilt when the snapshot's generation changes, never per request; endpoints that left the snapshot are
+//! forgotten then. One `std::sync::Mutex` guards it, held only for the index look-up or update (hashing happens
+//! outside). Cost per request: O(prompt) hashing, O(blocks × holders) look-ups, O(healthy endpoints) to compare
+//! predictions; memory O(Σ capacity in blocks), ~50 bytes a block, see [`CacheAware::index_stats`].
+//!
+//! References: SGLang's router `cache_aware` policy (an approximate radix tree per worker, with balance
+//! thresholds); Mooncake's KVCache-centric scheduler (FAST'25), which also picks the prefill instance by predicted
+//! TTFT from prefix-match length and queue.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard};
+
+use serde::{Deserialize, Serialize};
+
+use crate::block_index::BlockIndex;
+use crate::endpoint::{EndpointId, Snapshot};
+use crate::error::RouteError;
+use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
+use crate::policy::{Branch, Pick, Policy, RoundRobin};
+use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
+
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CacheAwareConfig {
+    /// Tokens per indexed block (text prompts: 4 bytes per token).
+    pub block_tokens: usize,
+    /// KV capacity in tokens of an endpoint that does not report its own.
+    pub kv_capacity_tokens: u64,
+    /// One engine rank's prefill throughput, tokens per second.
+    pub prefill_tokens_per_s: f64,
+    /// Fixed time per prefill, milliseconds.
+    pub base_ms: f64,
+    /// Apply engine-reported cached tokens to the index.
+    pub correct_on_feedback: bool,
+    /// Charge for the delay this request's own prefill adds to the requests that will queue behind it: its
+    /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
+    /// compares the plain predicted TTFT.
+    pub congestion_weight: f64,
+}
+
+impl Default for CacheAwareConfig {
+    /// An 8B-class model on one H100 per rank (the simulator's `h100-8b` preset).
+    fn default() -> Self {
+        Self {
+            block_tokens: 64,
+            kv_capacity_tokens: 400_000,
+            prefill_tokens_per_s: 25_000.0,
+            base_ms: 25.0,
+            correct_on_feedback: true,
+            congestion_weight: 1.0,
+        }
+    }
+}
+
+/// The index's size, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexStats {
+    /// (block, endpoint) pairs held.
+    pub blocks: usize,
+    /// The most the index may hold: the sum of the endpoints' capacities in blocks.
+    pub capacity_blocks: usize,
+    /// Heap bytes allocated.
+    pub bytes: usize,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    index: BlockIndex,
+    slots: HashMap<EndpointId, usize>,
+    /// The snapshot generation `slot_of_rank` was built for.
+    generation: Option<u64>,
+    /// The newest generation seen: capacities and membership follow it alone.
+    newest: u64,
+    slot_of_rank: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+pub struct CacheAware {
+    config: CacheAwareConfig,
+    state: Mutex<State>,
+    empty: RoundRobin,
+}
+
+impl CacheAware {
+    pub fn new(config: CacheAwareConfig) -> Self {
+        Self {
+            config,
+            ..Self::default()
+        }
+    }
+
+    pub fn config(&self) -> &CacheAwareConfig {
+        &self.config
+    }
+
+    /// Units (tokens or bytes) per block of this prompt's kind.
+    fn block_units(&self, prompt: &Prompt) -> usize {
+        let tokens = self.config.block_tokens.max(1);
+        match prompt {
+            Prompt::Tokens(_) => tokens,
+            Prompt::Bytes(_) => tokens * BYTES_PER_TOKEN as usize,
+        }
+    }
+
+    fn hashes(&self, prompt: &Prompt) -> Vec<u64> {
+        let mut out = Vec::with_capacity(prompt.len() / self.block_units(prompt));
+        block_hashes(prompt, self.block_units(prompt), &mut out);
+        out
+    }
+
+    /// Cached tokens of `req` on an endpoint holding `blocks` of its leading blocks.
+    fn cached_tokens(&self, req: &RouteRequest, blocks: usize) -> u64 {
+        let units = (blocks * self.block_units(&req.prompt)) as u64;
+        let tokens = match req.prompt {
+            Prompt::Tokens(_) => units,
+            Prompt::Bytes(_) => units / BYTES_PER_TOKEN,
+        };
+        tokens.min(req.input_tokens.saturating_sub(1))
+    }
+
+    /// The predicted TTFT in microseconds of `uncached` new tokens behind `queued` requests of `queued_tokens`.
+    pub fn predicted_ttft_us(&self, queued: u64, queued_tokens: u64, uncached: u64) -> u64 {
+        let base = self.config.base_ms.max(0.0) * 1000.0 * (queued + 1) as f64;
+        let rate = self.config.prefill_tokens_per_s;
+        let work = if rate > 0.0 {
+            (queued_tokens + uncached) as f64 * 1e6 / rate
+        } else {
+            0.0
+        };
+        (base + work).round() as u64
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Brings the slot table in line with `snap` (only when its generation changed). Capacities and membership
+    /// (forgetting endpoints that left) follow only a snapshot at least as new as any seen, so a request still
+    /// routing with an older snapshot remaps ranks but never drops what a newer membership holds.
+    fn sync(&self, state: &mut State, snap: &Snapshot) {
+        if state.generation == Some(snap.generation()) {
+            return;
+        }
+        let current = snap.generation() >= state.newest;
+        let block = self.config.block_tokens.max(1) as u64;
+        let mut present = vec![false; state.index.slot_count()];
+        state.slot_of_rank.clear();
+        for e in snap.endpoints() {
+            let capacity = (e.kv_capacity.unwrap_or(self.config.kv_capacity_tokens) / block) as usize;
+            let slot = match state.slots.get(&e.id) {
+                Some(&slot) => {
+                    if current {
+                        state.index.set_capacity(slot, capacity);
+                    }
+                    slot
+                }
+                None => {
+                    let slot = state.index.add_slot(capacity);
+                    state.slots.insert(e.id, slot);
+                    present.push(false);
+                    slot
+                }
+            };
+            present[slot] = true;
+            state.slot_of_rank.push(slot);
+        }
+        if current {
+            for (slot, here) in present.into_iter().enumerate() {
+                if !here {
+                    state.index.clear_slot(slot);
+                }
+            }
+            state.newest = snap.generation();
+        }
+        state.generation = Some(snap.generation());
+    }
+
+    /// The index's current size.
+    pub fn index_stats(&self) -> IndexStats {
+        let state = self.lock();
+        IndexStats {
+            blocks: state.index.len(),
+            capacity_blocks: (0..state.index.slot_count()).map(|s| state.index.capacity(s)).sum(),
+            bytes: state.index.memory_bytes(),
+        }
+    }
+
+    /// Cached tokens of `req` the index expects at each endpoint of `snap`, by global rank (for tests and tools).
+    pub fn predicted_cached(&self, snap: &Snapshot, req: &RouteRequest) -> Vec<u64> {
+        let hashes = self.hashes(&req.prompt);
+        let mut state = self.lock();
+        self.sync(&mut state, snap);
+        let mut lens = vec![0u32; state.index.slot_count()];
+        state.index.match_lengths(&hashes, &mut lens);
+        state
+            .slot_of_rank
+            .iter()
+            .map(|&s| self.cached_tokens(req, lens[s] as usize))
+            .collect()
+    }
+}
+
+impl Policy for CacheAware {
+    fn name(&self) -> &'static str {
+        "cache_aware"
+    }
+
+    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
+        if req.prompt.is_empty() {
+            return self.empty.next(snap, Branch::Empty);
+        }
+        let hashes = self.hashes(&req.prompt);
+        let matched: Vec<(usize, usize)> = {
+            let mut state = self.lock();
+            self.sync(&mut state, snap);
+            let mut lens = vec![0u32; state.index.slot_count()];
+            state.index.match_lengths(&hashes, &mut lens);
+            snap.healthy()
+                .iter()
+                .map(|&r| (r, lens[state.slot_of_rank[r]] as usize))
+                .collect()
+        };
+        let key = hashes
+            .first()
+            .copied()
+            .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX));
+        let best_match = matched.iter().map(|m| m.1).max().unwrap_or(0);
+        let (rank, blocks, uncached) = matched
+            .iter()
+            .map(|&(r, blocks)| {
+                let load = snap.load(r);
+                let uncached = req.input_tokens - self.cached_tokens(req, blocks);
+                let ttft =
+                    self.predicted_ttft_us(load.queued_prefill_requests(), load.queued_prefill_tokens(), uncached);
+                let own = self.predicted_ttft_us(0, 0, uncached) - self.predicted_ttft_us(0, 0, 0);
+                let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
+                let cost = ttft + (congestion * own as f64) as u64;
+                let order = (
+                    cost,
+                    std::cmp::Reverse(blocks),
+                    load.in_flight_requests(),
+                    std::cmp::Reverse(rendezvous_score(key, snap.endpoints()[r].id)),
+                );
+                (order, (r, blocks, uncached))
+            })
+            .min_by_key(|(order, _)| *order)
+            .map(|(_, chosen)| chosen)
+            .ok_or(RouteError::NoHealthyEndpoint)?;
+        let branch = match (best_match, blocks) {
+            (0, _) => Branch::Cold,
+            (best, got) if got == best => Branch::Hit,
+            _ => Branch::Spill,
+        };
+        Ok(Pick::new(rank, branch).with_prefill(uncached))
+    }
+
+    fn routed(&self, snap: &Snapshot, req: &RouteRequest, pick: &Pick) {
+        let hashes = self.hashes(&req.prompt);
+        let mut state = self.lock();
+        self.sync(&mut state, snap);
+        if let Some(&slot) = state.slot_of_rank.get(pick.rank).filter(|_| !hashes.is_empty()) {
+            state.index.record(slot, &hashes);
+        }
+    }
+
+    fn observe(&self, endpoint: EndpointId, req: &RouteRequest, pick: &Pick, cached_tokens: u64) {
+        let Some(prefill) = pick.prefill_tokens else { return };
+        let predicted = req.input_tokens.saturating_sub(prefill);
+        if !self.config.correct_on_feedback || cached_tokens >= predicted {
+            return;
+        }
+        let units_per_token = match req.prompt {
+            Prompt::Tokens(_) => 1,
+            Prompt::Bytes(_) => BYTES_PER_TOKEN as usize,
+        };
+        let held = cached_tokens as usize * units_per_token / self.block_units(&req.prompt);
+        let hashes = self.hashes(&req.prompt);
+        let mut state = self.lock();
+        if let Some(&slot) = state.slots.get(&endpoint) {
+            state.index.forget_from(slot, &hashes, held);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::policy::testing::{empty_requests, ranks};
+    use crate::policy::{dispatch, route};
+
+    fn policy() -> CacheAware {
+        CacheAware::new(CacheAwareConfig {
+            block_tokens: 16,
+            ..CacheAwareConfig::default()
+        })
+    }
+
+    fn prompt(seed: u32, len: usize) -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| seed.wrapping_mul(1_000_003) ^ i.wrapping_mul(2_654_435_761))
+            .collect()
+    }
+
+    #[test]
+    fn a_cold_prompt_goes_to_the_rendezvous_choice_and_its_continuation_follows() {
+        let snap = Snapshot::single_worker(8);
+        let p = policy();
+        let first = prompt(1, 1000);
+        let cold = route(&p, &snap, &RouteRequest::tokens(first.clone())).unwrap();
+        assert_eq!(cold.branch, Branch::Cold);
+        assert_eq!(cold.prefill_tokens, Some(1000));
+        // Another replica (a fresh index) places the same cold prompt on the same endpoint.
+        assert_eq!(
+            route(&policy(), &snap, &RouteRequest::tokens(first.clone())).unwrap(),
+            cold
+        );
+        let next = [first, prompt(2, 300)].concat();
+        let hit = route(&p, &snap, &RouteRequest::tokens(next)).unwrap();
+        // 992 of the first 1000 tokens are in whole blocks of 16.
+        assert_eq!(
+            (hit.rank, hit.branch, hit.prefill_tokens),
+            (cold.rank, Branch::Hit, Some(308))
+        );
+    }
+
+    #[test]
+    fn queued_prefill_work_makes_a_cold_endpoint_cheaper() {
+        // 1 s of base per prefill and 1000 tokens/s: a 10-token tail behind one queued 5000-token prefill takes
+        // 2 + 5.01 s at home; a cold endpoint takes 1 + 5.01 s.
+        let snap = Snapshot::single_worker(2);
+        let p = CacheAware::new(CacheAwareConfig {
+            block_tokens: 10,
+            prefill_tokens_per_s: 1000.0,
+            base_ms: 1000.0,
+            congestion_weight: 0.0,
+            ..CacheAwareConfig::default()
+        });
+        let shared = prompt(3, 5000);
+        let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+        let b = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+        assert_eq!((a.pick.branch, b.pick.branch), (Branch::Cold, Branch::Spill));
+        assert_ne!(a.pick.rank, b.pick.rank);
+        assert_eq!(snap.load(b.pick.rank).queued_prefill_tokens(), 5010);
+        // Once both have their first tokens, a third goes to a warm endpoint: the longer match at equal cost.
+        let (mut a, mut b) = (a, b);
+        a.guard.first_token();
+        b.guard.first_token();
+        let c = route(&p, &snap, &RouteRequest::tokens([shared, vec![3; 10]].concat())).unwrap();
+        assert_eq!((c.branch, c.prefill_tokens), (Branch::Hit, Some(10)));
+    }
+
+    #[test]
+    fn congestion_charges_a_cold_prefill_for_the_requests_it_delays() {
+        // Endpoint X queues a (5010 tokens, sharing 5000 with b) and a pinned 1000-token prompt; Y queues a pinned
+        // 10-token prompt. For b, X predicts 3 + 6.02 s and Y 2 + 5.02 s: plain TTFT sends b cold to Y. With the
+        // congestion charge Y also costs 1 queued × 5.01 s of b's own prefill (12.03 s) against 2 × 0.01 s at X.
+        let snap = Snapshot::single_worker(2);
+        let config = CacheAwareConfig {
+            block_tokens: 10,
+            prefill_tokens_per_s: 1000.0,
+            base_ms: 1000.0,
+            ..CacheAwareConfig::default()
+        };
+        let shared = prompt(3, 5000);
+        for (weight, branch) in [(1.0, Branch::Hit), (0.0, Branch::Spill)] {
+            let p = CacheAware::new(CacheAwareConfig {
+                congestion_weight: weight,
+                ..config
+            });
+            let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+            let (x, y) = (a.pick.rank as i64, 1 - a.pick.rank as i64);
+            let c = dispatch(&p, &snap, &RouteRequest::tokens(prompt(8, 1000)).with_override(x)).unwrap();
+            let z = dispatch(&p, &snap, &RouteRequest::tokens(prompt(9, 10)).with_override(y)).unwrap();
+            let b = route(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+            let expected = if branch == Branch::Hit { x } else { y };
+            assert_eq!((b.rank as i64, b.branch), (expected, branch), "weight {weight}");
+            drop((a, c, z));
+        }
+    }
+
+    #[test]
+    fn overrides_are_recorded_and_feedback_corrects_the_index() {
+        let snap = Snapshot::single_worker(4);
+        let p = policy();
+        let req = RouteRequest::tokens(prompt(4, 640));
+        route(&p, &snap, &req.clone().with_override(2)).unwrap();
+        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+        let pick = route(&p, &snap, &req).unwrap();
+        assert_eq!((pick.rank, pick.branch, pick.prefill_tokens), (2, Branch::Hit, Some(1)));
+        // The engine held only 100 tokens: endpoint 2 keeps 6 blocks (96 tokens) of this prompt.
+        p.observe(snap.endpoints()[2].id, &req, &pick, 100);
+        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
+        // Holding at least what was predicted changes nothing; neither does a pick without a prediction.
+        p.observe(snap.endpoints()[2].id, &req, &Pick::new(2, Branch::Override), 0);
+        p.observe(snap.endpoints()[2].id, &req, &pick, 639);
+        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
+    }
+
+    #[test]
+    fn each_endpoint_forgets_at_its_own_capacity_and_membership_changes_keep_ids() {
+        let endpoints = vec![
+            Endpoint::new(EndpointId::new(0, 0)).with_kv_capacity(160),
+            Endpoint::new(EndpointId::new(1, 0)),
+        ];
+        let snap = Snapshot::new(endpoints.clone());
+        let p = policy();
+        let (a, b) = (
+            RouteRequest::tokens(prompt(5, 160)),
+            RouteRequest::tokens(prompt(6, 160)),
+        );
+        for req in [&a, &b] {
+            route(&p, &snap, &req.clone().with_override(0)).unwrap();
+            route(&p, &snap, &req.clone().with_override(1)).unwrap();
+        }
+        // Endpoint 0 holds 10 blocks of 16: b pushed a out. Endpoint 1 holds both.
+        assert_eq!(p.predicted_cached(&snap, &a), vec![0, 159]);
+        assert_eq!(p.predicted_cached(&snap, &b), vec![159, 159]);
+        assert_eq!(p.index_stats().blocks, 30);
+        // Endpoint 0 leaves; endpoint 1, now at rank 0, keeps its blocks; endpoint 0 is forgotten.
+        let fewer = Snapshot::new(vec![endpoints[1].clone()]);
+        assert_eq!(p.predicted_cached(&fewer, &a), vec![159]);
+        assert_eq!(p.index_stats().blocks, 20);
+    }
+
+    #[test]
+    fn a_stale_snapshot_never_forgets_a_newer_membership() {
+        let (e0, e1) = (
+            Endpoint::new(EndpointId::new(0, 0)),
+            Endpoint::new(EndpointId::new(0, 1)),
+        );
+        let old = Snapshot::new(vec![e0.clone()]);
+        let new = Snapshot::new(vec![e0, e1]);
+        let p = policy();
+        let req = RouteRequest::tokens(prompt(10, 320));
+        route(&p, &new, &req.clone().with_override(1)).unwrap();
+        // A request still routing with the old snapshot (no endpoint 1) goes to endpoint 0...
+        assert_eq!(route(&p, &old, &req).unwrap().rank, 0);
+        // ...and endpoint 1 keeps its blocks.
+        assert_eq!(p.predicted_cached(&new, &req), vec![319, 319]);
+        assert_eq!(p.index_stats().blocks, 40);
+    }
+
+    #[test]
+    fn text_prompts_use_four_bytes_per_token_and_empty_prompts_go_round_robin() {
+        let snap = Snapshot::single_worker(3);
+        let p = policy();
+        let text = "x".repeat(700);
+        let req = RouteRequest::text(&text);
+        let first = route(&p, &snap, &req).unwrap();
+        let again = route(&p, &snap, &RouteRequest::text(&format!("{text}y"))).unwrap();
+        // 10 blocks of 64 bytes: 640 bytes = 160 tokens cached of 176.
+        assert_eq!((again.rank, again.prefill_tokens), (first.rank, Some(16)));
+        let (got, _held) = ranks(&p, &snap, &empty_requests(3));
+        assert_eq!(got, vec![0, 1, 2]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_index_never_exceeds_the_endpoints_capacities(
+            capacities in proptest::collection::vec(0u64..400, 1..6),
+            requests in proptest::collection::vec((0u32..6, 0usize..300, proptest::option::of(0i64..6)), 1..60),
+        ) {
+            let snap = Snapshot::new(
+                capacities
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &c)| Endpoint::new(EndpointId::new(0, r as u32)).with_kv_capacity(c))
+                    .collect(),
+            );
+            let p = policy();
+            let capacity_blocks: usize = capacities.iter().map(|&c| (c / 16) as usize).sum();
+            for (seed, len, pin) in requests {
+                let mut req = RouteRequest::tokens(prompt(seed, len));
+                req.rank_override = pin.filter(|&r| (r as usize) < capacities.len());
+                let pick = route(&p, &snap, &req).unwrap();
+                p.observe(snap.endpoints()[pick.rank].id, &req, &pick, (seed as u64 * 37) % 200);
+                let stats = p.index_stats();
+                proptest::prop_assert_eq!(stats.capacity_blocks, capacity_blocks);
+                proptest::prop_assert!(stats.blocks <= stats.capacity_blocks, "{:?}", stats);
+                for (r, &cached) in p.predicted_cached(&snap, &req).iter().enumerate() {
+                    proptest::prop_assert!(cached <= capacities[r], "rank {} holds {} of capacity {}", r, cached, capacities[r]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn down_endpoints_are_never_chosen_even_holding_the_prefix() {
+        let snap = Snapshot::single_worker(3);
+        let p = policy();
+        let req = RouteRequest::tokens(prompt(7, 500));
+        let home = route(&p, &snap, &req).unwrap().rank;
+        let degraded = snap.with_health(|i, _| i != home);
+        let pick = route(&p, &degraded, &req).unwrap();
+        assert_ne!(pick.rank, home);
+        assert_eq!(pick.branch, Branch::Cold);
+    }
+}
