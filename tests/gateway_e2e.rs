@@ -452,3 +452,21 @@ fn the_official_openai_client_works_through_the_gateway() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_load_reports_reach_the_load_table() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "total_requests", "--poll-load-ms", "50"]);
+    let c = client();
+    let url = format!("{}/workers", gw.url);
+    let reported = eventually(Duration::from_secs(5), || async {
+        let workers = get(&c, &url).await.json;
+        workers["workers"][0]["endpoints"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| e["engine_report"]["timestamp"].as_u64().is_some_and(|t| t > 0))
+    })
+    .await;
+    assert!(reported, "{}", get(&c, &url).await.text);
+}
