@@ -16,30 +16,10 @@
 //! O(blocks × holders), independent of how many endpoints hold nothing; [`BlockIndex::record`] is O(blocks) plus the
 //! holders walked to find the pair, and O(1) per block forgotten.
 
+use crate::hashing::PassThroughBuild;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 const NIL: u32 = u32::MAX;
-
-/// A `Hasher` for keys that are already uniform 64-bit hashes.
-#[derive(Debug, Default)]
-struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.0 = x;
-    }
-}
 
 #[derive(Debug, Clone, Copy)]
 struct Node {
@@ -64,7 +44,7 @@ struct Lru {
 /// Per-slot LRU sets of chained block hashes; see the module documentation.
 #[derive(Debug, Default)]
 pub struct BlockIndex {
-    map: HashMap<u64, u32, BuildHasherDefault<PassThrough>>,
+    map: HashMap<u64, u32, PassThroughBuild>,
     nodes: Vec<Node>,
     free: Vec<u32>,
     slots: Vec<Lru>,

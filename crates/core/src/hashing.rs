@@ -9,6 +9,8 @@
 //!   SplitMix64's finalizer, a bijection, so every endpoint's score for a key is an independent-looking 64-bit value
 //!   and one endpoint leaving or joining changes no other endpoint's score (Thaler and Ravishankar, 1998).
 
+use std::hash::{BuildHasherDefault, Hasher};
+
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed, Xxh3};
 
 use crate::endpoint::EndpointId;
@@ -21,6 +23,29 @@ pub fn mix64(mut x: u64) -> u64 {
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     x ^ (x >> 31)
 }
+
+/// A `Hasher` for keys that are already uniform 64-bit hashes (block hashes): it passes them through.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PassThroughHasher(u64);
+
+impl Hasher for PassThroughHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x;
+    }
+}
+
+/// The build hasher for maps and sets keyed by 64-bit hashes.
+pub type PassThroughBuild = BuildHasherDefault<PassThroughHasher>;
 
 /// A stable hash of an endpoint id (worker and dp rank, not its position in a snapshot).
 pub fn endpoint_hash(id: EndpointId) -> u64 {

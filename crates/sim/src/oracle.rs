@@ -11,8 +11,8 @@
 //! blocks: then it stops at that block's start, so it reports at most `BLOCK − 1` tokens fewer (never more, up to
 //! 64-bit hash collisions). Cost: O(prompt + answer) per request; memory: ~16 bytes per `BLOCK` unique tokens.
 
+use dprouter_core::hashing::PassThroughBuild;
 use std::collections::HashSet;
-use std::hash::{BuildHasherDefault, Hasher};
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -20,26 +20,6 @@ use crate::tokens::mix;
 
 /// Tokens per hashed block.
 pub const BLOCK: usize = 16;
-
-/// The keys are already uniform hashes.
-#[derive(Default)]
-struct Identity(u64);
-
-impl Hasher for Identity {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(b);
-        }
-    }
-
-    fn write_u64(&mut self, x: u64) {
-        self.0 = x;
-    }
-}
 
 /// XXH3 of the block's little-endian bytes, seeded with the previous block's hash.
 fn block_hash(prev: u64, block: &[u32]) -> u64 {
@@ -57,7 +37,7 @@ fn token_hash(prev: u64, token: u32) -> u64 {
 /// One infinite prefix cache's hit count; see the module documentation.
 #[derive(Default)]
 pub struct Oracle {
-    seen: HashSet<u64, BuildHasherDefault<Identity>>,
+    seen: HashSet<u64, PassThroughBuild>,
     prompt_tokens: u64,
     cached_tokens: u64,
 }

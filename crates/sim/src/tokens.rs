@@ -7,13 +7,8 @@
 /// The vocabulary size synthetic ids are drawn from (a Qwen/Llama-3-class tokenizer).
 pub const VOCAB: u64 = 151_936;
 
-/// SplitMix64's finalizer: a bijective 64-bit mix.
-pub fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
+/// SplitMix64's finalizer: a bijective 64-bit mix (the one core's hashing uses).
+pub use dprouter_core::hashing::mix64 as mix;
 
 /// What a token sequence belongs to; keeps ids of different kinds apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
