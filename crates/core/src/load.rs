@@ -151,10 +151,6 @@ impl LoadGuard {
         }
     }
 
-    pub fn load(&self) -> &EndpointLoad {
-        &self.load
-    }
-
     /// The first token arrived: releases this request's queued-prefill share. Only the first call has an effect;
     /// the in-flight share stays until the guard is dropped.
     pub fn first_token(&mut self) {
