@@ -47,6 +47,7 @@ fn prints_a_row_per_policy_and_writes_json() {
         "ttft_p50_ms",
         "ttft_p99_ms",
         "steady_ttft_p50_ms",
+        "steady_ttft_p99_ms",
         "hit_rate",
         "throughput_rps",
         "max_mean_load",

@@ -170,6 +170,7 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
                 outcome.records.push(RequestRecord {
                     id: done.req.id,
                     group: done.req.group,
+                    session: done.req.session,
                     rank,
                     branch: dprouter_core::Branch::Turn,
                     arrival: done.req.arrival,

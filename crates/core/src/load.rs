@@ -17,6 +17,12 @@
 //!   the work that delays the next request's first token. A guard releases its share at
 //!   [`LoadGuard::first_token`] (the simulator's prefill completion, the gateway's first upstream byte), or on drop
 //!   if the first token never came.
+//! - **Prefill progress**: the time the endpoint's current prefill began, as the caller's clock saw it: when its
+//!   queue last became non-empty or a first token last arrived (the engine then starts the next queued request).
+//!   [`EndpointLoad::prefill_elapsed_us`] is how long the oldest queued request has been prefilling, so a policy
+//!   can count the part of it already done instead of the whole prompt. Times are microseconds on any monotonic
+//!   clock the caller keeps (the gateway's process clock, the simulator's virtual time); a caller without a clock
+//!   passes 0 everywhere and sees no progress.
 //!
 //! All reads and updates are a few relaxed atomics: O(1) per endpoint, no locks on the routing path.
 
@@ -50,6 +56,8 @@ pub struct EndpointLoad {
     in_flight_tokens: AtomicU64,
     prefill_requests: AtomicU64,
     prefill_tokens: AtomicU64,
+    /// When the current prefill began (see the module docs), microseconds on the caller's clock.
+    prefill_since_us: AtomicU64,
     reported_requests: AtomicU64,
     reported_tokens: AtomicU64,
     speculative_requests: AtomicU64,
@@ -78,6 +86,15 @@ impl EndpointLoad {
     /// The predicted uncached prompt tokens of those requests: the prefill work queued ahead of a new request.
     pub fn queued_prefill_tokens(&self) -> u64 {
         self.prefill_tokens.load(Relaxed)
+    }
+
+    /// How long the oldest queued request has been prefilling at `now_us`: the time since the queue last became
+    /// non-empty or a first token last arrived; 0 with nothing queued (or a clock behind that moment).
+    pub fn prefill_elapsed_us(&self, now_us: u64) -> u64 {
+        if self.prefill_requests.load(Relaxed) == 0 {
+            return 0;
+        }
+        now_us.saturating_sub(self.prefill_since_us.load(Relaxed))
     }
 
     /// The view `total_requests` and `total_tokens` compare.
@@ -126,17 +143,27 @@ pub struct LoadGuard {
 
 impl LoadGuard {
     /// Counts one request of `tokens` prompt tokens in flight at `load`, and in the speculative view when
-    /// `speculative` (a policy's choice, not a client's rank override). All `tokens` count as queued prefill.
+    /// `speculative` (a policy's choice, not a client's rank override). All `tokens` count as queued prefill; no
+    /// clock.
     pub fn acquire(load: Arc<EndpointLoad>, tokens: u64, speculative: bool) -> Self {
-        Self::acquire_with_prefill(load, tokens, tokens, speculative)
+        Self::acquire_with_prefill(load, tokens, tokens, speculative, 0)
     }
 
-    /// [`LoadGuard::acquire`] with `prefill_tokens` (the predicted uncached part of the prompt) counted as queued
-    /// prefill work until [`LoadGuard::first_token`].
-    pub fn acquire_with_prefill(load: Arc<EndpointLoad>, tokens: u64, prefill_tokens: u64, speculative: bool) -> Self {
+    /// [`LoadGuard::acquire`] at `now_us` with `prefill_tokens` (the predicted uncached part of the prompt)
+    /// counted as queued prefill work until [`LoadGuard::first_token`]. If nothing was queued, the endpoint's
+    /// prefill begins now.
+    pub fn acquire_with_prefill(
+        load: Arc<EndpointLoad>,
+        tokens: u64,
+        prefill_tokens: u64,
+        speculative: bool,
+        now_us: u64,
+    ) -> Self {
         load.in_flight_requests.fetch_add(1, Relaxed);
         load.in_flight_tokens.fetch_add(tokens, Relaxed);
-        load.prefill_requests.fetch_add(1, Relaxed);
+        if load.prefill_requests.fetch_add(1, Relaxed) == 0 {
+            load.prefill_since_us.store(now_us, Relaxed);
+        }
         load.prefill_tokens.fetch_add(prefill_tokens, Relaxed);
         let speculative_epoch = speculative.then(|| {
             load.speculative_requests.fetch_add(1, Relaxed);
@@ -151,13 +178,23 @@ impl LoadGuard {
         }
     }
 
-    /// The first token arrived: releases this request's queued-prefill share. Only the first call has an effect;
-    /// the in-flight share stays until the guard is dropped.
-    pub fn first_token(&mut self) {
-        if let Some(tokens) = self.prefill.take() {
-            saturating_sub(&self.load.prefill_requests, 1);
-            saturating_sub(&self.load.prefill_tokens, tokens);
+    /// The first token arrived at `now_us`: releases this request's queued-prefill share, and the endpoint's next
+    /// queued request begins its prefill now. Only the first call has an effect; the in-flight share stays until
+    /// the guard is dropped.
+    pub fn first_token(&mut self, now_us: u64) {
+        if self.release_prefill() {
+            self.load.prefill_since_us.store(now_us, Relaxed);
         }
+    }
+
+    /// Releases the queued-prefill share if it is still held; returns whether it was.
+    fn release_prefill(&mut self) -> bool {
+        let Some(tokens) = self.prefill.take() else {
+            return false;
+        };
+        saturating_sub(&self.load.prefill_requests, 1);
+        saturating_sub(&self.load.prefill_tokens, tokens);
+        true
     }
 }
 
@@ -168,7 +205,9 @@ fn saturating_sub(counter: &AtomicU64, amount: u64) {
 
 impl Drop for LoadGuard {
     fn drop(&mut self) {
-        self.first_token();
+        // No first token (an error, a disconnect): which queued request the engine was prefilling is unknown, so
+        // the endpoint's progress clock is left as it is.
+        self.release_prefill();
         saturating_sub(&self.load.in_flight_requests, 1);
         saturating_sub(&self.load.in_flight_tokens, self.tokens);
         // A report that arrived since dispatch already accounts for this request (or its completion).
@@ -249,11 +288,11 @@ mod tests {
     #[test]
     fn prefill_share_is_released_once_at_first_token_or_drop() {
         let load = Arc::new(EndpointLoad::default());
-        let mut a = LoadGuard::acquire_with_prefill(load.clone(), 1000, 300, true);
+        let mut a = LoadGuard::acquire_with_prefill(load.clone(), 1000, 300, true, 0);
         let b = LoadGuard::acquire(load.clone(), 50, false);
         assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (2, 350));
-        a.first_token();
-        a.first_token();
+        a.first_token(0);
+        a.first_token(0);
         assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (1, 50));
         assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (2, 1050));
         drop(a);
@@ -263,6 +302,35 @@ mod tests {
         drop(b);
         assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (0, 0));
         assert_eq!((load.in_flight_requests(), load.in_flight_tokens()), (0, 0));
+    }
+
+    #[test]
+    fn prefill_progress_runs_from_an_empty_queue_or_the_last_first_token() {
+        let load = Arc::new(EndpointLoad::default());
+        assert_eq!(load.prefill_elapsed_us(500), 0, "nothing queued, nothing in progress");
+        let mut a = LoadGuard::acquire_with_prefill(load.clone(), 100, 100, true, 1_000);
+        // A second request joins the queue: the first one's prefill is still the one running.
+        let mut b = LoadGuard::acquire_with_prefill(load.clone(), 100, 100, true, 4_000);
+        assert_eq!(load.prefill_elapsed_us(5_000), 4_000);
+        assert_eq!(
+            load.prefill_elapsed_us(900),
+            0,
+            "a clock behind the start sees no progress"
+        );
+        // The first token of `a`: `b` begins now.
+        a.first_token(6_000);
+        assert_eq!(load.prefill_elapsed_us(6_500), 500);
+        // A repeated call changes nothing.
+        a.first_token(9_000);
+        assert_eq!(load.prefill_elapsed_us(9_000), 3_000);
+        b.first_token(10_000);
+        assert_eq!(load.prefill_elapsed_us(20_000), 0);
+        // Dropped without a first token: the queue empties, and the next request starts a fresh clock.
+        let c = LoadGuard::acquire_with_prefill(load.clone(), 100, 100, true, 30_000);
+        drop(c);
+        assert_eq!(load.prefill_elapsed_us(40_000), 0);
+        let _d = LoadGuard::acquire_with_prefill(load.clone(), 100, 100, true, 41_000);
+        assert_eq!(load.prefill_elapsed_us(42_000), 1_000);
     }
 
     #[test]

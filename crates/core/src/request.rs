@@ -43,6 +43,9 @@ pub struct RouteRequest {
     pub rank_override: Option<i64>,
     /// SGLang's PD-disaggregation `bootstrap_room`.
     pub bootstrap_room: Option<u64>,
+    /// When the request is routed, microseconds on the caller's monotonic clock (the one it also passes to
+    /// [`crate::load::LoadGuard::first_token`]); 0 when the caller keeps no clock.
+    pub now_us: u64,
 }
 
 impl RouteRequest {
@@ -53,6 +56,7 @@ impl RouteRequest {
             prompt,
             rank_override: None,
             bootstrap_room: None,
+            now_us: 0,
         }
     }
 
@@ -71,6 +75,12 @@ impl RouteRequest {
 
     pub fn with_bootstrap_room(mut self, room: u64) -> Self {
         self.bootstrap_room = Some(room);
+        self
+    }
+
+    /// The request routed at `now_us` on the caller's clock.
+    pub fn at(mut self, now_us: u64) -> Self {
+        self.now_us = now_us;
         self
     }
 }

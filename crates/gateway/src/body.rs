@@ -115,7 +115,7 @@ impl Body for GuardedBody {
                         this.first_byte = true;
                         // The engine finished prefill: the request's queued-prefill share is released.
                         if let Some(guard) = this.guard.as_mut() {
-                            guard.first_token();
+                            guard.first_token(crate::clock::now_us());
                         }
                         if this.sse {
                             let ttft = this.received.elapsed().as_secs_f64();

@@ -5,6 +5,7 @@
 //! Start in-process: `let state = AppState::new(config).await?; serve(listener, state, shutdown).await`.
 
 pub mod body;
+pub mod clock;
 pub mod config;
 pub mod error;
 pub mod health;

@@ -166,6 +166,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     let mut excluded = HashSet::new();
     let mut attempt = 0;
     loop {
+        parsed.route.now_us = crate::clock::now_us();
         let dispatched = route_once(state, &membership, &excluded, &parsed.route)?;
         let target = &membership.targets[dispatched.pick.rank];
         let label = target.label();

@@ -71,6 +71,7 @@ pub enum RemovalMode {
 pub struct RequestRecord {
     pub id: u64,
     pub group: u64,
+    pub session: u64,
     pub rank: usize,
     pub branch: Branch,
     pub arrival: Micros,
@@ -300,7 +301,8 @@ impl Sim<'_> {
         ));
         self.oracle.request(&live.req.tokens, &full);
         let route_req = RouteRequest::tokens(live.req.tokens.clone())
-            .with_bootstrap_room(live.req.bootstrap_room(self.config.seed));
+            .with_bootstrap_room(live.req.bootstrap_room(self.config.seed))
+            .at(now);
         match dispatch(self.policy, &self.snap, &route_req) {
             Ok(d) => {
                 let r = d.endpoint.dp_rank as usize;
@@ -345,7 +347,7 @@ impl Sim<'_> {
         if let Some(live) = self.live[slot].as_mut() {
             live.first_token = now;
             if let Some(guard) = live.guard.as_mut() {
-                guard.first_token();
+                guard.first_token(now);
             }
             rank.cache.insert(&live.req.tokens);
             let pin = rank.cache.lock(&live.req.tokens, live.req.tokens.len());
@@ -388,6 +390,7 @@ impl Sim<'_> {
         self.outcome.records.push(RequestRecord {
             id: live.req.id,
             group: live.req.group,
+            session: live.req.session,
             rank: live.rank,
             branch: live.branch,
             arrival: live.req.arrival,

@@ -7,15 +7,20 @@
 //! 2. Look the blocks up in the [`BlockIndex`]: for every endpoint, how many leading blocks it holds, so how many
 //!    prompt tokens it has cached (`cached`, at most the prompt length − 1: the engine recomputes the last token).
 //! 3. For every healthy endpoint predict
-//!    `TTFT = base · (queued + 1) + (queued_tokens + prompt − cached) / prefill_rate`, with `queued` and
+//!    `TTFT = base · (queued + 1) + (queued_tokens + prompt − cached) / prefill_rate − done`, with `queued` and
 //!    `queued_tokens` the endpoint's requests waiting for their first token and their predicted uncached tokens
 //!    (the load model's queued prefill, [`crate::load`]); `base` is paid per prefill, as on an engine that prefills
-//!    one request at a time. Take the lowest `TTFT + congestion_weight · queued · own`, where `own` is this
+//!    one request at a time. `done` is the part of the queue already prefilled: the time the oldest queued request
+//!    has been prefilling ([`EndpointLoad::prefill_elapsed_us`](crate::load::EndpointLoad::prefill_elapsed_us) at
+//!    the request's `now_us`), at most one queued request's mean share of the queue (an engine slower than
+//!    predicted cannot make a queue look empty; `prefill_progress = false` leaves it out). Without it a request
+//!    arriving seconds into a long prefill would count that prefill whole and go cold elsewhere when waiting for
+//!    the prefix is quicker. Take the lowest `TTFT + congestion_weight · queued · own`, where `own` is this
 //!    request's own prefill time there (`(prompt − cached) / prefill_rate`): recomputing a prefix on a busy
 //!    endpoint also delays the requests that will queue behind it there, about as many as queue there now.
 //!    Without that term (`congestion_weight = 0`) a busy fleet spreads every request to the shortest queue,
-//!    recomputes prefixes it already holds, and the extra work makes the queues longer still (mean TTFT 739 ms
-//!    against 167 ms in the README's loaded `groups` run). The term counts the candidate's own queue, not the
+//!    recomputes prefixes it already holds, and the extra work makes the queues longer still (mean TTFT 487 ms
+//!    against 164 ms in the README's loaded `groups` run). The term counts the candidate's own queue, not the
 //!    fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still spreads to idle endpoints (a
 //!    fleet-wide count piled 16 agents on one prefix onto few of 8 ranks, mean TTFT 5.6 s against 1.5 s). Ties
 //!    go to the longer match, then the fewer requests in flight, then the higher rendezvous score of the prompt's
@@ -69,6 +74,9 @@ pub struct CacheAwareConfig {
     pub base_ms: f64,
     /// Apply engine-reported cached tokens to the index.
     pub correct_on_feedback: bool,
+    /// Count the part of an endpoint's queue already prefilled (from the request's clock); `false` counts every
+    /// queued prefill whole.
+    pub prefill_progress: bool,
     /// Charge for the delay this request's own prefill adds to the requests that will queue behind it: its
     /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
     /// compares the plain predicted TTFT.
@@ -84,6 +92,7 @@ impl Default for CacheAwareConfig {
             prefill_tokens_per_s: 25_000.0,
             base_ms: 25.0,
             correct_on_feedback: true,
+            prefill_progress: true,
             congestion_weight: 1.0,
         }
     }
@@ -155,15 +164,19 @@ impl CacheAware {
         tokens.min(req.input_tokens.saturating_sub(1))
     }
 
-    /// The predicted TTFT in microseconds of `uncached` new tokens behind `queued` requests of `queued_tokens`.
-    pub fn predicted_ttft_us(&self, queued: u64, queued_tokens: u64, uncached: u64) -> u64 {
-        let base = self.config.base_ms.max(0.0) * 1000.0 * (queued + 1) as f64;
+    /// The predicted TTFT in microseconds of `uncached` new tokens behind `queued` requests of `queued_tokens`,
+    /// the oldest of which has been prefilling for `elapsed_us`.
+    pub fn predicted_ttft_us(&self, queued: u64, queued_tokens: u64, elapsed_us: u64, uncached: u64) -> u64 {
+        let queue = self.prefill_us(queued, queued_tokens);
+        let done = queue.checked_div(queued).map_or(0, |share| elapsed_us.min(share));
+        queue - done + self.prefill_us(1, uncached)
+    }
+
+    /// Prefill time in microseconds of `requests` requests of `tokens` uncached tokens in all.
+    fn prefill_us(&self, requests: u64, tokens: u64) -> u64 {
+        let base = self.config.base_ms.max(0.0) * 1000.0 * requests as f64;
         let rate = self.config.prefill_tokens_per_s;
-        let work = if rate > 0.0 {
-            (queued_tokens + uncached) as f64 * 1e6 / rate
-        } else {
-            0.0
-        };
+        let work = if rate > 0.0 { tokens as f64 * 1e6 / rate } else { 0.0 };
         (base + work).round() as u64
     }
 
@@ -267,9 +280,17 @@ impl Policy for CacheAware {
             .map(|&(r, blocks)| {
                 let load = snap.load(r);
                 let uncached = req.input_tokens - self.cached_tokens(req, blocks);
-                let ttft =
-                    self.predicted_ttft_us(load.queued_prefill_requests(), load.queued_prefill_tokens(), uncached);
-                let own = self.predicted_ttft_us(0, 0, uncached) - self.predicted_ttft_us(0, 0, 0);
+                let ttft = self.predicted_ttft_us(
+                    load.queued_prefill_requests(),
+                    load.queued_prefill_tokens(),
+                    if self.config.prefill_progress {
+                        load.prefill_elapsed_us(req.now_us)
+                    } else {
+                        0
+                    },
+                    uncached,
+                );
+                let own = self.prefill_us(0, uncached);
                 let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
                 let cost = ttft + (congestion * own as f64) as u64;
                 let order = (
@@ -381,10 +402,57 @@ mod tests {
         assert_eq!(snap.load(b.pick.rank).queued_prefill_tokens(), 5010);
         // Once both have their first tokens, a third goes to a warm endpoint: the longer match at equal cost.
         let (mut a, mut b) = (a, b);
-        a.guard.first_token();
-        b.guard.first_token();
+        a.guard.first_token(0);
+        b.guard.first_token(0);
         let c = route(&p, &snap, &RouteRequest::tokens([shared, vec![3; 10]].concat())).unwrap();
         assert_eq!((c.branch, c.prefill_tokens), (Branch::Hit, Some(10)));
+    }
+
+    #[test]
+    fn a_request_arriving_late_in_a_prefill_waits_for_its_prefix() {
+        // As above: `a` takes 1 + 5.01 s to prefill on its endpoint. Arriving 0.5 s in, `b` would wait 5.51 s more
+        // plus its own 1.01 s there against 6.01 s cold elsewhere; arriving 3 s in, only 3.01 + 1.01 s.
+        let config = CacheAwareConfig {
+            block_tokens: 10,
+            prefill_tokens_per_s: 1000.0,
+            base_ms: 1000.0,
+            congestion_weight: 0.0,
+            ..CacheAwareConfig::default()
+        };
+        let shared = prompt(3, 5000);
+        for (arrival_us, branch) in [(500_000, Branch::Spill), (3_000_000, Branch::Hit)] {
+            let snap = Snapshot::single_worker(2);
+            let p = CacheAware::new(config);
+            let a = dispatch(
+                &p,
+                &snap,
+                &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat()).at(0),
+            )
+            .unwrap();
+            let b = route(
+                &p,
+                &snap,
+                &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat()).at(arrival_us),
+            )
+            .unwrap();
+            assert_eq!(b.branch, branch, "arriving at {arrival_us} µs");
+            assert_eq!(b.rank == a.pick.rank, branch == Branch::Hit);
+        }
+    }
+
+    #[test]
+    fn progress_counts_at_most_one_queued_requests_share() {
+        let p = CacheAware::new(CacheAwareConfig {
+            prefill_tokens_per_s: 1000.0,
+            base_ms: 1000.0,
+            ..CacheAwareConfig::default()
+        });
+        // Two queued prefills of 1 + 5 s each; an engine slower than predicted, 100 s into the first, still has
+        // the second ahead of a new request.
+        assert_eq!(p.predicted_ttft_us(2, 10_000, 0, 0), 13_000_000);
+        assert_eq!(p.predicted_ttft_us(2, 10_000, 2_000_000, 0), 11_000_000);
+        assert_eq!(p.predicted_ttft_us(2, 10_000, 100_000_000, 0), 7_000_000);
+        assert_eq!(p.predicted_ttft_us(0, 0, 100_000_000, 500), 1_500_000);
     }
 
     #[test]

@@ -152,8 +152,8 @@ pub struct Dispatch {
 }
 
 /// [`route`], then counts the request in flight at the chosen endpoint (speculatively too, unless overridden) and
-/// its predicted uncached tokens (the whole prompt without a prediction) as queued prefill. The front end calls
-/// [`LoadGuard::first_token`] on the guard when the first token arrives.
+/// its predicted uncached tokens (the whole prompt without a prediction) as queued prefill, at the request's
+/// `now_us`. The front end calls [`LoadGuard::first_token`] on the guard when the first token arrives.
 pub fn dispatch(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Dispatch, RouteError> {
     let pick = route(policy, snap, req)?;
     let endpoint = &snap.endpoints()[pick.rank];
@@ -162,6 +162,7 @@ pub fn dispatch(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Res
         req.input_tokens,
         pick.prefill_tokens.unwrap_or(req.input_tokens),
         pick.branch != Branch::Override,
+        req.now_us,
     );
     Ok(Dispatch {
         pick,

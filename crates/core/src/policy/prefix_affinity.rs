@@ -246,7 +246,7 @@ mod tests {
         // Each of the six still waits for its first token, so they spread...
         assert!(used.len() > 1, "{used:?}");
         // ...and once they have their first tokens (decoding), the home takes new requests again.
-        decoding.iter_mut().for_each(LoadGuard::first_token);
+        decoding.iter_mut().for_each(|g| g.first_token(0));
         let pick = route(&policy, &snap, &req).unwrap();
         assert_eq!((pick.rank, pick.branch), (home, Branch::Affine));
     }

@@ -97,6 +97,7 @@ impl AgentWorkload {
             tokens,
             output_tokens: self.config.output_tokens,
             group: agent % self.config.prefixes,
+            session: agent,
         }
     }
 }

@@ -95,6 +95,7 @@ impl Workload for GroupsWorkload {
             tokens,
             output_tokens: self.config.output_tokens,
             group,
+            session: group,
         })
     }
 

@@ -27,6 +27,9 @@ pub struct SimRequest {
     pub output_tokens: u32,
     /// Requests of one group share a prefix; the first of each group to arrive is its cold start.
     pub group: u64,
+    /// Requests of one session follow each other (an agent's conversation); a workload without sessions uses the
+    /// group. The steady-state columns leave out each session's first request.
+    pub session: u64,
 }
 
 impl SimRequest {

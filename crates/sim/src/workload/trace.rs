@@ -110,6 +110,7 @@ impl TraceWorkload {
                 tokens,
                 output_tokens: parsed.output_length.max(1),
                 group: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
+                session: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
             }));
         }
     }
