@@ -27,6 +27,9 @@ pub struct CostArgs {
     /// Radix cache page size, tokens.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     page_size: Option<u64>,
+    /// Whether decode on every rank pauses while any rank prefills (DP attention): true or false.
+    #[arg(long)]
+    prefill_stalls_decode: Option<bool>,
 }
 
 fn parse_preset(name: &str) -> Result<String, String> {
@@ -57,6 +60,9 @@ impl CostArgs {
         }
         if let Some(v) = self.decode_slowdown {
             cost.decode_slowdown = v;
+        }
+        if let Some(v) = self.prefill_stalls_decode {
+            cost.prefill_stalls_decode = v;
         }
         if let Some(v) = self.page_size {
             cost.page_size = usize::try_from(v).context("page size too large")?;

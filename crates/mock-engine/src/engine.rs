@@ -4,7 +4,8 @@
 //! A request on a rank waits for the rank's prefill server (a FIFO lock: first come first served), matches its prompt
 //! against the rank's [`RadixCache`] and pins the hit, sleeps `(base + uncached / prefill_rate) · time_scale`, caches
 //! the prompt and emits its first token; then emits one token per `tpot · (1 + slowdown · (running − 1)) ·
-//! time_scale`, and finally caches prompt + answer and releases the pin. Each request runs in its own task and sends
+//! time_scale` of decode time (which stands still while any rank prefills when the cost model's
+//! `prefill_stalls_decode` is set: [`crate::stall`]), and finally caches prompt + answer and releases the pin. Each request runs in its own task and sends
 //! [`Emit`] events to its HTTP response; when the response is dropped (the client went away) the task notices at its
 //! next wait, undoes its accounting and counts an abort, as SGLang aborts a disconnected request.
 
@@ -18,8 +19,8 @@ use dprouter_sim::radix::{LockId, RadixCache};
 use dprouter_sim::tokens::mix;
 use dprouter_sim::CostModel;
 use tokio::sync::mpsc;
-use tokio::time::Instant;
 
+use crate::stall::DecodeStall;
 use crate::tokenizer::{output_token, output_word};
 
 /// Which server's rank-targeting rules the mock follows.
@@ -121,6 +122,7 @@ pub struct Engine {
     requests: AtomicU64,
     aborted: AtomicU64,
     completed: AtomicU64,
+    stall: DecodeStall,
 }
 
 /// Why a request was refused before it started.
@@ -154,13 +156,14 @@ impl Engine {
         let dead = config.faults.dead_ranks.clone();
         let snapshot = Snapshot::single_worker(config.dp_size).with_health(|i, _| !dead.contains(&(i as u32)));
         Arc::new(Self {
-            config,
             ranks,
             snapshot,
             round_robin: RoundRobin::default(),
             requests: AtomicU64::new(0),
             aborted: AtomicU64::new(0),
             completed: AtomicU64::new(0),
+            stall: DecodeStall::new(config.cost.prefill_stalls_decode),
+            config,
         })
     }
 
@@ -286,7 +289,7 @@ impl Engine {
         if tx.send(first).await.is_err() {
             return;
         }
-        let started = Instant::now();
+        let started = self.stall.now();
         let per_token = self.scaled(self.config.cost.decode(2, r.running.load(Relaxed) as usize));
         let drop_after = if streaming {
             self.config.faults.drop_after_tokens
@@ -298,9 +301,8 @@ impl Engine {
                 let _ = tx.send(Emit::Drop).await;
                 return;
             }
-            let due = started + per_token.mul_f64(i as f64);
-            // Timers tick in milliseconds: sleep only when at least one is due, and emit what is late at once.
-            if due > Instant::now() + Duration::from_millis(1) && !wait(tokio::time::sleep_until(due), &tx).await {
+            // Decode time, which stands still while any rank prefills when prefill stalls decode.
+            if !wait(self.stall.until(started + per_token.mul_f64(i as f64)), &tx).await {
                 return;
             }
             if tx
@@ -378,11 +380,13 @@ impl Slot {
     fn start_prefill(&mut self) {
         self.rank().waiting.fetch_sub(1, Relaxed);
         self.rank().running.fetch_add(1, Relaxed);
+        self.engine.stall.prefill_started();
         self.stage = Stage::Prefilling;
     }
 
     fn end_prefill(&mut self) {
         self.rank().pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        self.engine.stall.prefill_ended();
         self.stage = Stage::Decoding;
     }
 
@@ -405,6 +409,7 @@ impl Drop for Slot {
             Stage::Prefilling => {
                 r.running.fetch_sub(1, Relaxed);
                 r.pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+                self.engine.stall.prefill_ended();
             }
             Stage::Decoding => {
                 r.running.fetch_sub(1, Relaxed);

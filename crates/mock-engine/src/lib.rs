@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 
 pub mod api;
 pub mod engine;
+pub mod stall;
 pub mod tokenizer;
 
 pub use api::{router, SERVED_RANK_HEADER};

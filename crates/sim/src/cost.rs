@@ -7,13 +7,17 @@
 //! decode     : the remaining output tokens at tpot · (1 + decode_slowdown · (running − 1)) each, with `running` the
 //!              requests decoding on that rank when this one starts
 //! KV         : a radix cache of `kv_capacity` tokens per rank
+//! coupling   : with `prefill_stalls_decode`, decode on every rank stands still while any rank prefills
 //! ```
 //!
 //! Presets:
 //! - `seed-moe`: the Qwen3-class MoE at tp16/dp16/ep16 of SGLANG_SEMANTICS.md. `base` 1.235 s and 3,674 prefill
 //!   tokens/s per rank are fitted to its measurement (7.40 s for a cold 22,651-token prompt, 1.29 s when only ~200
 //!   tokens are new). tpot 25 ms with 150-token answers and 1 s think time gives its 30 requests in ~180 s.
-//!   500k KV tokens per rank.
+//!   500k KV tokens per rank. Prefill stalls decode on every rank: at tp16/dp16/ep16 SGLang runs DP attention, where
+//!   all ranks take each forward pass together (the MoE layers exchange tokens across them), so a rank's prefill
+//!   holds the others' decode steps. With it, four agents on one prefix under `prefix_match` make 0.406 requests/s,
+//!   the seed's measured 0.41; without it, 0.607.
 //! - `h100-8b`: a Llama-3-8B-class model on one H100 SXM per rank. Prefill ~25k tokens/s: 16 GFLOP per token
 //!   (2 × 8B parameters) at ~40% of the H100's 989 dense BF16 TFLOPS (NVIDIA H100 datasheet); base 25 ms
 //!   (scheduling and one forward pass); tpot 8 ms: 16 GB of BF16 weights read per step at 3.35 TB/s is 4.8 ms, plus
@@ -44,6 +48,10 @@ pub struct CostModel {
     pub kv_capacity: usize,
     /// Radix cache page size, tokens.
     pub page_size: usize,
+    /// Decode on every rank pauses while any rank prefills, as under SGLang's DP attention, where all ranks run
+    /// each forward pass together (the MoE layers exchange tokens across them).
+    #[serde(default)]
+    pub prefill_stalls_decode: bool,
 }
 
 impl CostModel {
@@ -58,6 +66,7 @@ impl CostModel {
                 decode_slowdown: 0.02,
                 kv_capacity: 500_000,
                 page_size: 1,
+                prefill_stalls_decode: true,
             }),
             "h100-8b" => Some(Self {
                 base_s: 0.025,
@@ -66,6 +75,7 @@ impl CostModel {
                 decode_slowdown: 0.01,
                 kv_capacity: 400_000,
                 page_size: 1,
+                prefill_stalls_decode: false,
             }),
             "zero" => Some(Self::ZERO),
             _ => None,
@@ -80,6 +90,7 @@ impl CostModel {
         decode_slowdown: 0.0,
         kv_capacity: 1_000_000,
         page_size: 1,
+        prefill_stalls_decode: false,
     };
 
     /// Service time of one prefill with `uncached` new tokens.

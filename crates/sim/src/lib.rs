@@ -4,6 +4,7 @@
 //! ([`simulator::simulate`]); [`report::Summary`] condenses the outcome per policy. No I/O except reading traces.
 
 pub mod cost;
+pub mod decode_clock;
 pub mod oracle;
 pub mod radix;
 pub mod report;

@@ -22,8 +22,9 @@ pub struct Summary {
     pub steady_ttft_p99_ms: f64,
     /// Cached prompt tokens over all prompt tokens.
     pub hit_rate: f64,
-    /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing).
-    pub oracle_hit_rate: f64,
+    /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing); `None` (JSON
+    /// `null`) for a run over HTTP, which does not compute it.
+    pub oracle_hit_rate: Option<f64>,
     /// Completed requests per second of virtual time, first arrival to last finish.
     pub throughput_rps: f64,
     /// The busiest rank's routed requests over the mean per rank (1.0 is perfect balance).
@@ -148,13 +149,12 @@ pub fn table(rows: &[Summary]) -> String {
         if moved { "  moved" } else { "" }
     );
     for r in rows {
-        let of_oracle = if r.oracle_hit_rate > 0.0 {
-            r.hit_rate / r.oracle_hit_rate
-        } else {
-            0.0
+        let of_oracle = match r.oracle_hit_rate {
+            Some(o) if o > 0.0 => format!("{:.3}", r.hit_rate / o),
+            _ => "-".into(),
         };
         out.push_str(&format!(
-            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>11.0} {:>11.0} {:>6.3} {:>6.3} {:>8.3} {:>8.2} {:>6}{}\n",
+            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2} {:>6}{}\n",
             r.policy,
             r.requests,
             r.ttft_mean_ms,
@@ -174,7 +174,7 @@ pub fn table(rows: &[Summary]) -> String {
             }
         ));
     }
-    let oracle: Vec<f64> = rows.iter().map(|r| r.oracle_hit_rate).collect();
+    let oracle: Vec<f64> = rows.iter().filter_map(|r| r.oracle_hit_rate).collect();
     let (lo, hi) = oracle.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &o| {
         (lo.min(o), hi.max(o))
     });
