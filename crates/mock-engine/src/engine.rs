@@ -3,11 +3,11 @@
 //!
 //! A request on a rank waits for the rank's prefill server (a FIFO lock: first come first served), matches its prompt
 //! against the rank's [`RadixCache`] and pins the hit, sleeps `(base + uncached / prefill_rate) · time_scale`, caches
-//! the prompt and emits its first token; then emits one token per `tpot · (1 + slowdown · (running − 1)) ·
-//! time_scale` of decode time (which stands still while any rank prefills when the cost model's
-//! `prefill_stalls_decode` is set: [`crate::stall`]), and finally caches prompt + answer and releases the pin. Each request runs in its own task and sends
-//! [`Emit`] events to its HTTP response; when the response is dropped (the client went away) the task notices at its
-//! next wait, undoes its accounting and counts an abort, as SGLang aborts a disconnected request.
+//! the prompt and emits its first token; then emits one token per `tpot · (1 + slowdown · (running − 1)) · time_scale`
+//! of decode time (which stands still while any rank prefills when the cost model's `prefill_stalls_decode` is set:
+//! [`crate::stall`]), and finally caches prompt + answer and releases the pin. Each request runs in its own task and
+//! sends [`Emit`] events to its HTTP response; when the response is dropped (the client went away) the task notices at
+//! its next wait, undoes its accounting and counts an abort, as SGLang aborts a disconnected request.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -382,18 +382,23 @@ mod tests {
         );
     }
 
-    #[test]
-    fn queued_prefill_work_makes_a_cold_endpoint_cheaper() {
-        // 1 s of base per prefill and 1000 tokens/s: a 10-token tail behind one queued 5000-token prefill takes
-        // 2 + 5.01 s at home; a cold endpoint takes 1 + 5.01 s.
-        let snap = Snapshot::single_worker(2);
-        let p = CacheAware::new(CacheAwareConfig {
+    /// 1 s of base per prefill, 1000 tokens/s, 10-token blocks, no congestion charge.
+    fn slow_engine() -> CacheAwareConfig {
+        CacheAwareConfig {
             block_tokens: 10,
             prefill_tokens_per_s: 1000.0,
             base_ms: 1000.0,
             congestion_weight: 0.0,
             ..CacheAwareConfig::default()
-        });
+        }
+    }
+
+    #[test]
+    fn queued_prefill_work_makes_a_cold_endpoint_cheaper() {
+        // A 10-token tail behind one queued 5000-token prefill takes 2 + 5.01 s at home; a cold endpoint takes
+        // 1 + 5.01 s.
+        let snap = Snapshot::single_worker(2);
+        let p = CacheAware::new(slow_engine());
         let shared = prompt(3, 5000);
         let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
         let b = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
@@ -412,17 +417,10 @@ mod tests {
     fn a_request_arriving_late_in_a_prefill_waits_for_its_prefix() {
         // As above: `a` takes 1 + 5.01 s to prefill on its endpoint. Arriving 0.5 s in, `b` would wait 5.51 s more
         // plus its own 1.01 s there against 6.01 s cold elsewhere; arriving 3 s in, only 3.01 + 1.01 s.
-        let config = CacheAwareConfig {
-            block_tokens: 10,
-            prefill_tokens_per_s: 1000.0,
-            base_ms: 1000.0,
-            congestion_weight: 0.0,
-            ..CacheAwareConfig::default()
-        };
         let shared = prompt(3, 5000);
         for (arrival_us, branch) in [(500_000, Branch::Spill), (3_000_000, Branch::Hit)] {
             let snap = Snapshot::single_worker(2);
-            let p = CacheAware::new(config);
+            let p = CacheAware::new(slow_engine());
             let a = dispatch(
                 &p,
                 &snap,
@@ -442,11 +440,7 @@ mod tests {
 
     #[test]
     fn progress_counts_at_most_one_queued_requests_share() {
-        let p = CacheAware::new(CacheAwareConfig {
-            prefill_tokens_per_s: 1000.0,
-            base_ms: 1000.0,
-            ..CacheAwareConfig::default()
-        });
+        let p = CacheAware::new(slow_engine());
         // Two queued prefills of 1 + 5 s each; an engine slower than predicted, 100 s into the first, still has
         // the second ahead of a new request.
         assert_eq!(p.predicted_ttft_us(2, 10_000, 0, 0), 13_000_000);
@@ -461,17 +455,11 @@ mod tests {
         // 10-token prompt. For b, X predicts 3 + 6.02 s and Y 2 + 5.02 s: plain TTFT sends b cold to Y. With the
         // congestion charge Y also costs 1 queued × 5.01 s of b's own prefill (12.03 s) against 2 × 0.01 s at X.
         let snap = Snapshot::single_worker(2);
-        let config = CacheAwareConfig {
-            block_tokens: 10,
-            prefill_tokens_per_s: 1000.0,
-            base_ms: 1000.0,
-            ..CacheAwareConfig::default()
-        };
         let shared = prompt(3, 5000);
         for (weight, branch) in [(1.0, Branch::Hit), (0.0, Branch::Spill)] {
             let p = CacheAware::new(CacheAwareConfig {
                 congestion_weight: weight,
-                ..config
+                ..slow_engine()
             });
             let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
             let (x, y) = (a.pick.rank as i64, 1 - a.pick.rank as i64);
