@@ -470,3 +470,57 @@ async fn sglang_load_reports_reach_the_load_table() {
     .await;
     assert!(reported, "{}", get(&c, &url).await.text);
 }
+
+/// A request that arrives while its prefix is being prefilled waits for it when that is quicker than a cold
+/// prefill elsewhere: the gateway stamps routing and first tokens with one clock, and `cache_aware` counts the
+/// part of the queue already done. Without that (`prefill_progress=false`) the same request goes cold elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_aware_waits_for_a_prefix_that_is_being_prefilled() {
+    // seed-moe at a tenth of its time: a cold 22,001-token prompt takes ~0.72 s, a warm one ~0.12 s. The policy
+    // is told the same (3,674 tokens/s and 1.235 s of base, scaled).
+    let spec = "cache_aware:prefill_tokens_per_s=36740,base_ms=123.5,congestion_weight=0";
+    for (progress, waits) in [(true, true), (false, false)] {
+        let engine = Proc::start(&[
+            "mock-engine",
+            "--listen",
+            "127.0.0.1:0",
+            "--dp-size",
+            "2",
+            "--preset",
+            "seed-moe",
+            "--time-scale",
+            "0.1",
+        ]);
+        let gw = Proc::gateway(
+            &[&engine],
+            &["--policy", &format!("{spec},prefill_progress={progress}")],
+        );
+        let c = client();
+        let url = format!("{}/generate", gw.url);
+        let prefix: Vec<u32> = (0..22_000).map(|i| (i * 7_919 % 150_000) as u32).collect();
+        let ids = |tail: &[u32]| [prefix.as_slice(), tail].concat();
+        let body = json!({"input_ids": ids(&[1]), "sampling_params": {"max_new_tokens": 2}, "stream": true});
+        let first = send(&c, &url, &[], body.to_string()).await;
+        let first_rank = first.headers().get("x-dp-rank").cloned();
+        let first = tokio::spawn(read(first));
+        // ~0.35 s into the first prompt's 0.72 s prefill: waiting for it (~0.37 + 0.12 s) beats a cold prefill.
+        tokio::time::sleep(Duration::from_millis(350)).await;
+        let second = post(
+            &c,
+            &url,
+            &[],
+            &json!({"input_ids": ids(&[2, 3]), "sampling_params": {"max_new_tokens": 1}}),
+        )
+        .await;
+        assert_eq!(first.await.unwrap().status, StatusCode::OK);
+        assert_eq!(second.status, StatusCode::OK);
+        let same_rank = first_rank.and_then(|r| r.to_str().ok()?.parse::<u64>().ok()) == second.rank;
+        let cached = second.json["meta_info"]["cached_tokens"].as_u64().unwrap();
+        assert_eq!(same_rank, waits, "prefill_progress={progress}");
+        if waits {
+            assert!(cached >= 21_900, "waited for the prefix, cached {cached}");
+        } else {
+            assert_eq!(cached, 0, "went cold elsewhere");
+        }
+    }
+}
