@@ -66,11 +66,11 @@ impl DecodeClock {
         self.due.push(Reverse((self.progress + duration, self.started, slot)));
     }
 
-    /// The real time of the next completion if no prefill starts before it; `None` while stalled or with no
-    /// decode running.
+    /// The real time of the next completion if no prefill starts before it: now for a decode already complete
+    /// (even if a prefill has just stalled the rest), `None` while stalled or with no decode running.
     pub fn next_due(&self) -> Option<Micros> {
-        let Reverse((due, _, _)) = self.due.peek()?;
-        self.running().then(|| self.at + due.saturating_sub(self.progress))
+        let &Reverse((due, _, _)) = self.due.peek()?;
+        (due <= self.progress || self.running()).then(|| self.at + due.saturating_sub(self.progress))
     }
 
     /// The decodes complete by `now`, in completion order (ties in start order).
@@ -91,6 +91,71 @@ impl DecodeClock {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Against a naive model that walks time one microsecond at a time: a decode completes once the time
+        /// since its start during which no rank prefilled (any time, without stalls) reaches its duration.
+        #[test]
+        fn agrees_with_walking_time(
+            stalls in any::<bool>(),
+            prefills in proptest::collection::vec((0u64..400, 1u64..60), 0..8),
+            decodes in proptest::collection::vec((0u64..400, 0u64..120), 1..8),
+        ) {
+            let stalled = |t: u64| stalls && prefills.iter().any(|&(s, d)| s <= t && t < s + d);
+            let naive: Vec<u64> = decodes
+                .iter()
+                .map(|&(start, duration)| {
+                    let (mut t, mut done) = (start, 0);
+                    while done < duration {
+                        if !stalled(t) {
+                            done += 1;
+                        }
+                        t += 1;
+                    }
+                    t
+                })
+                .collect();
+            // Drive the clock with every event in time order, then ask at every microsecond what completed.
+            let mut events: Vec<(u64, u8, usize)> = Vec::new();
+            for (i, &(s, d)) in prefills.iter().enumerate() {
+                events.push((s + d, 0, i));
+                events.push((s, 1, i));
+            }
+            for (i, &(s, _)) in decodes.iter().enumerate() {
+                events.push((s, 2, i));
+            }
+            events.sort();
+            let mut clock = DecodeClock::new(stalls);
+            let mut finished = vec![None; decodes.len()];
+            let (mut next, mut predicted) = (0, None);
+            for t in 0..2_000 {
+                while next < events.len() && events[next].0 == t {
+                    let (_, kind, i) = events[next];
+                    match kind {
+                        0 => clock.prefill_ended(t),
+                        1 => clock.prefill_started(t),
+                        _ => clock.start(t, decodes[i].1, i),
+                    }
+                    next += 1;
+                    predicted = clock.next_due();
+                }
+                let done = clock.take_due(t);
+                if !done.is_empty() {
+                    // The simulator wakes up only at the predicted time: it must be exactly when decodes finish.
+                    prop_assert_eq!(predicted, Some(t));
+                    predicted = clock.next_due();
+                }
+                for slot in done {
+                    finished[slot] = Some(t);
+                }
+            }
+            let expected: Vec<Option<u64>> = naive.into_iter().map(Some).collect();
+            prop_assert_eq!(finished, expected);
+        }
+    }
 
     #[test]
     fn without_stalls_decode_time_is_real_time() {
