@@ -440,14 +440,14 @@ fn the_official_openai_client_works_through_the_gateway() {
     let engine = Proc::engine(&["--dp-size", "2"]);
     let gw = Proc::gateway(&[&engine], &["--policy", "prefix_match"]);
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_client.py");
-    let out = std::process::Command::new("python3")
+    let out = std::process::Command::new(common::python())
         .arg(script)
         .arg(format!("{}/v1", gw.url))
         .output()
-        .expect("python3 must be installed");
+        .unwrap();
     assert!(
         out.status.success(),
-        "the openai client failed (CI installs it with `pip install openai`):\n{}\n{}",
+        "the openai client failed:\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );

@@ -1,4 +1,4 @@
-//! `dprouter route` as a process: the shared prefix_match vectors and the exit-status contract.
+//! `dprouter route` as a process: the prefix_match reference vectors and the exit-status contract.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
@@ -7,7 +7,7 @@ use std::process::{Command, Output, Stdio};
 
 use serde_json::Value;
 
-const VECTORS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/vectors/prefix_match.jsonl");
+const VECTORS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/crates/core/testdata/prefix_match.jsonl");
 
 fn route(args: &[&str], stdin: &str) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_dprouter"))
@@ -24,7 +24,7 @@ fn route(args: &[&str], stdin: &str) -> Output {
 
 #[test]
 fn every_prefix_match_vector_routes_to_its_expected_rank() {
-    let text = std::fs::read_to_string(VECTORS).expect("shared/vectors/prefix_match.jsonl must be present");
+    let text = std::fs::read_to_string(VECTORS).unwrap();
     // The vector lines are request bodies themselves (extra fields are ignored); group them by dp_size.
     let mut by_dp: BTreeMap<u64, Vec<(&str, u64)>> = BTreeMap::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {

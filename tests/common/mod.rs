@@ -148,3 +148,36 @@ where
     }
     check().await
 }
+
+/// The pinned Python packages the end-to-end tests drive the gateway with.
+pub const PYTHON_REQUIREMENTS: &[&str] = &["openai==3.57.0"];
+
+/// A Python interpreter with [`PYTHON_REQUIREMENTS`] installed: a virtual environment under the target directory,
+/// created and filled on first use (so `cargo test` needs only `python3` and the package index, never the system's
+/// site-packages) and reused while the requirements stay the same.
+pub fn python() -> std::path::PathBuf {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _serial = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("python-venv");
+    let python = venv.join("bin").join("python");
+    let stamp = venv.join("dprouter-requirements.txt");
+    let wanted = PYTHON_REQUIREMENTS.join("\n");
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) && python.exists() {
+        return python;
+    }
+    let run = |cmd: &mut Command| {
+        let out = cmd.output().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}"));
+        assert!(
+            out.status.success(),
+            "{cmd:?} failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(Command::new("python3").args(["-m", "venv", "--clear"]).arg(&venv));
+    run(Command::new(&python)
+        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+        .args(PYTHON_REQUIREMENTS));
+    std::fs::write(&stamp, wanted).unwrap();
+    python
+}
