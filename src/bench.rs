@@ -1,5 +1,10 @@
 //! `dprouter bench`: a workload over real HTTP against an engine or gateway, measuring TTFT from the streams,
 //! optionally beside `simulate` on the same workload.
+//!
+//! Progress goes to stderr as in `simulate` (`--quiet` hides it). Ctrl-C stops the run cleanly: the driver sends no
+//! more requests and abandons the ones in flight, and the command still prints (and writes with `--json` and
+//! `--plot`) what completed, then exits with 130, the status shells expect after SIGINT. A second Ctrl-C quits at
+//! once.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -7,15 +12,20 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use dprouter_bench::{BenchConfig, Routing};
+use dprouter_bench::{BenchConfig, BenchOutcome, Routing};
 use dprouter_core::PolicyConfig;
 use dprouter_mock_engine::{serve, Engine, EngineConfig};
 use dprouter_sim::report::table;
 use dprouter_sim::{simulate, SimConfig, Summary, WorkloadSpec};
 use serde_json::json;
+use tokio::sync::watch;
 
 use crate::cost_args::CostArgs;
 use crate::route::parse_policy;
+use crate::simulate::{check_plot_path, progress_bar, write_plot};
+
+/// The exit status after Ctrl-C: 128 + SIGINT, as shells report a command that SIGINT ended.
+const INTERRUPTED: u8 = 130;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum RouteBy {
@@ -26,6 +36,11 @@ enum RouteBy {
 }
 
 #[derive(Debug, Args)]
+#[command(
+    after_help = "Ctrl-C stops sending, abandons the requests in flight (not counted as errors), prints the \
+results of the requests completed so far (and writes --json and --plot), says how many were cut off, and exits with \
+status 130. A second Ctrl-C quits at once."
+)]
 pub struct BenchArgs {
     /// agent[:k=v,...], groups[:k=v,...] or trace:PATH[,...], as for `simulate`.
     #[arg(long, value_parser = |s: &str| WorkloadSpec::parse(s).map_err(|e| e.to_string()))]
@@ -55,6 +70,42 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the results as an SVG figure in this file: TTFT CDF, hit rates and each rank's share of the
+    /// requests, for every row of the table.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Print only the results: no progress and no per-policy lines on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// The flag that Ctrl-C (SIGINT) sets; a second Ctrl-C exits at once with [`INTERRUPTED`]. The handler is in place
+/// when this returns.
+fn watch_interrupt(runtime: &tokio::runtime::Runtime) -> anyhow::Result<watch::Receiver<bool>> {
+    let (tx, rx) = watch::channel(false);
+    #[cfg(unix)]
+    let mut sigint = {
+        let _entered = runtime.enter();
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt()).context("listening for Ctrl-C")?
+    };
+    runtime.spawn(async move {
+        for count in 1.. {
+            #[cfg(unix)]
+            let received = sigint.recv().await.is_some();
+            #[cfg(not(unix))]
+            let received = tokio::signal::ctrl_c().await.is_ok();
+            if !received {
+                return;
+            }
+            if count == 1 {
+                let _ = tx.send(true);
+            } else {
+                eprintln!("dprouter: interrupted again, quitting");
+                std::process::exit(i32::from(INTERRUPTED));
+            }
+        }
+    });
+    Ok(rx)
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
@@ -71,11 +122,22 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         ],
         (RouteBy::Client, false) => args.policy.iter().cloned().map(Some).collect(),
     };
+    check_plot_path(args.plot.as_deref())?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let started = std::time::Instant::now();
+    let interrupt = watch_interrupt(&runtime)?;
     let mut rows = Vec::new();
+    // The outcome behind each row, for --plot.
+    let mut outcomes = Vec::new();
     let mut ratios = Vec::new();
+    let mut cut_off = 0;
+    let mut not_run = Vec::new();
     for policy in &policies {
         let name = policy.as_ref().map_or("server", |p| p.name());
+        if *interrupt.borrow() {
+            not_run.push(name);
+            continue;
+        }
         let built = policy.as_ref().map(|p| p.build());
         let routing = match &built {
             Some(p) => Routing::Client {
@@ -85,8 +147,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             None => Routing::Server,
         };
         let mut workload = args.workload.build(args.seed)?;
-        let outcome = runtime.block_on(async {
-            let (target, stop) = match &args.target {
+        let bar = progress_bar(&format!("{name} over HTTP"), workload.expected_requests(), args.quiet)?;
+        let BenchOutcome { outcome, stopped } = runtime.block_on(async {
+            let (target, engine_stop) = match &args.target {
                 Some(t) => (t.clone(), None),
                 None => {
                     let engine = Engine::new(EngineConfig {
@@ -98,11 +161,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                     });
                     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
                     let addr = listener.local_addr()?;
-                    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                    let (engine_stop, stopped) = tokio::sync::oneshot::channel::<()>();
                     tokio::spawn(serve(listener, Arc::clone(&engine), async {
                         let _ = stopped.await;
                     }));
-                    (format!("http://{addr}"), Some(stop))
+                    (format!("http://{addr}"), Some(engine_stop))
                 }
             };
             let config = BenchConfig {
@@ -110,46 +173,74 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 time_scale: args.time_scale,
                 routing,
             };
-            let outcome = dprouter_bench::run(workload.as_mut(), &config).await;
-            drop(stop);
+            let outcome = dprouter_bench::run(workload.as_mut(), &config, interrupt.clone(), &mut |done| {
+                bar.set_position(done as u64)
+            })
+            .await;
+            drop(engine_stop);
             anyhow::Ok(outcome?)
         })?;
+        bar.finish_and_clear();
         let http = Summary::new(&format!("http:{name}"), &outcome);
-        eprintln!(
-            "{name}: {} requests over HTTP, {} errors",
-            outcome.records.len(),
-            outcome.errors
-        );
-        if args.compare_sim {
-            if let Some(p) = &built {
-                let sim_config = SimConfig {
-                    dp_size: args.dp_size,
-                    cost,
-                    report_interval: 20_000,
-                    seed: args.seed,
-                    removal: None,
-                };
-                let mut workload = args.workload.build(args.seed)?;
-                let sim = simulate(p.as_ref(), workload.as_mut(), &sim_config, &mut |_| {})?;
-                let sim = Summary::new(&format!("sim:{name}"), &sim);
-                ratios.push((name.to_string(), http.ttft_mean_ms / sim.ttft_mean_ms.max(1e-9)));
-                rows.push(http);
-                rows.push(sim);
-                continue;
-            }
+        if !args.quiet {
+            eprintln!(
+                "{name}: {} requests over HTTP, {} errors{}",
+                outcome.records.len(),
+                outcome.errors,
+                stopped.map_or(String::new(), |s| format!(", {} cut off by Ctrl-C", s.cut_off))
+            );
         }
         rows.push(http);
+        outcomes.push(outcome);
+        if let Some(s) = stopped {
+            // A partial run compares with no simulation of the whole workload.
+            cut_off += s.cut_off;
+            continue;
+        }
+        if let (true, Some(p)) = (args.compare_sim, &built) {
+            let sim_config = SimConfig {
+                dp_size: args.dp_size,
+                cost,
+                report_interval: 20_000,
+                seed: args.seed,
+                removal: None,
+            };
+            let mut workload = args.workload.build(args.seed)?;
+            let bar = progress_bar(&format!("simulating {name}"), workload.expected_requests(), args.quiet)?;
+            let sim = simulate(p.as_ref(), workload.as_mut(), &sim_config, &mut |done| {
+                bar.set_position(done as u64)
+            })?;
+            bar.finish_and_clear();
+            let summary = Summary::new(&format!("sim:{name}"), &sim);
+            let http_mean = rows.last().map_or(0.0, |r: &Summary| r.ttft_mean_ms);
+            ratios.push((name.to_string(), http_mean / summary.ttft_mean_ms.max(1e-9)));
+            rows.push(summary);
+            outcomes.push(sim);
+        }
     }
-    println!(
+    let interrupted = interrupt.borrow().then(|| started.elapsed().as_secs_f64());
+    let heading = format!(
         "workload {}, dp {}, preset {}, time scale {} (times below are in the preset's time)",
         args.workload.name(),
         args.dp_size,
         args.cost.preset,
         args.time_scale
     );
+    println!("{heading}");
     print!("{}", table(&rows));
     for (name, ratio) in &ratios {
         println!("{name}: mean TTFT over HTTP / simulated = {ratio:.3}");
+    }
+    if let Some(after) = interrupted {
+        println!(
+            "interrupted by Ctrl-C after {after:.1} s: the rows above count the requests completed before it; \
+             requests in flight cut off (not counted): {cut_off}{}",
+            if not_run.is_empty() {
+                String::new()
+            } else {
+                format!("; not run: {}", not_run.join(", "))
+            }
+        );
     }
     if let Some(path) = &args.json {
         let doc = json!({
@@ -159,9 +250,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             "time_scale": args.time_scale,
             "results": rows,
             "http_over_sim_ttft_mean": ratios.iter().map(|(n, r)| json!({"policy": n, "ratio": r})).collect::<Vec<_>>(),
+            "interrupted": interrupted.map(|after| json!({"after_s": after, "cut_off": cut_off, "not_run": not_run})),
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    Ok(ExitCode::SUCCESS)
+    if let Some(path) = &args.plot {
+        let runs: Vec<_> = rows.iter().zip(&outcomes).collect();
+        write_plot(path, &heading, &runs)?;
+    }
+    Ok(if interrupted.is_some() {
+        ExitCode::from(INTERRUPTED)
+    } else {
+        ExitCode::SUCCESS
+    })
 }

@@ -2,6 +2,10 @@
 //!
 //! `cache_aware` is given the preset's prefill rate and base unless its spec sets them, as an operator would set
 //! them from the engine's measured costs; each simulated endpoint reports the preset's KV capacity.
+//!
+//! Progress (requests done of the workload's expected count, elapsed time, ETA) goes to stderr while a terminal is
+//! there to see it; `--quiet` hides it and the per-policy timing lines. `--plot` draws the run as one SVG figure
+//! ([`dprouter_bench::plot`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -9,10 +13,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use dprouter_bench::plot::{self, PolicyPlot};
 use dprouter_core::PolicyConfig;
 use dprouter_sim::report::table;
-use dprouter_sim::{simulate, CostModel, RankRemoval, RemovalMode, SimConfig, Summary, WorkloadSpec};
-use indicatif::{ProgressBar, ProgressStyle};
+use dprouter_sim::{simulate, CostModel, RankRemoval, RemovalMode, SimConfig, SimOutcome, Summary, WorkloadSpec};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
 use crate::cost_args::CostArgs;
@@ -20,7 +25,7 @@ use crate::route::parse_policy;
 
 #[derive(Debug, Args)]
 pub struct SimulateArgs {
-    /// agent[:k=v,...], groups[:k=v,...] or trace:PATH[,speedup=X,limit=N] (see the README).
+    /// agent[:k=v,...], groups[:k=v,...] or trace:PATH[,speedup=X,limit=N] (see docs/simulator.md).
     #[arg(long, value_parser = parse_workload)]
     workload: WorkloadSpec,
     /// Number of data-parallel ranks.
@@ -49,6 +54,61 @@ pub struct SimulateArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the results as an SVG figure in this file: TTFT CDF, hit rates (with the oracle) and each rank's
+    /// share of the requests, for every policy.
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Print only the results: no progress and no per-policy timing lines on stderr.
+    #[arg(long, short)]
+    quiet: bool,
+}
+
+/// A progress bar on stderr for `message`: requests done of `expected` with elapsed time and ETA, or a spinner with
+/// the count when the total is unknown. Hidden when `quiet` or when stderr is not a terminal.
+pub(crate) fn progress_bar(message: &str, expected: Option<u64>, quiet: bool) -> anyhow::Result<ProgressBar> {
+    if quiet {
+        return Ok(ProgressBar::hidden());
+    }
+    let bar = match expected {
+        Some(total) => ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr()).with_style(
+            ProgressStyle::with_template(
+                "{msg} [{bar:30}] {pos}/{len} requests, {elapsed_precise} elapsed, ETA {eta_precise}",
+            )?
+            .progress_chars("=> "),
+        ),
+        None => ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr()).with_style(
+            ProgressStyle::with_template("{spinner} {msg}: {pos} requests done, {elapsed_precise} elapsed")?,
+        ),
+    };
+    bar.set_message(message.to_owned());
+    bar.enable_steady_tick(Duration::from_millis(200));
+    Ok(bar)
+}
+
+/// Fails before a long run when `--plot`'s file cannot be created (an existing file is left as it is until the end).
+pub(crate) fn check_plot_path(path: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(path) = path {
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(path)
+            .with_context(|| format!("cannot write the chart to {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Writes `--plot`'s figure of `runs` (each row's summary and outcome).
+pub(crate) fn write_plot(path: &std::path::Path, title: &str, runs: &[(&Summary, &SimOutcome)]) -> anyhow::Result<()> {
+    let policies: Vec<PolicyPlot<'_>> = runs
+        .iter()
+        .map(|(summary, outcome)| PolicyPlot {
+            name: &summary.policy,
+            outcome,
+            hit_rate: summary.hit_rate,
+            oracle_hit_rate: summary.oracle_hit_rate,
+        })
+        .collect();
+    Ok(plot::write(path, title, &policies)?)
 }
 
 /// `a;b:k=v,x=y` or `a,b,c` (names only) into policy specs, each validated.
@@ -121,26 +181,30 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     } else {
         args.policy.concat()
     };
+    check_plot_path(args.plot.as_deref())?;
     let mut rows = Vec::new();
+    let mut outcomes = Vec::new();
     for spec in &specs {
         let policy = build_config(spec, &cost)?;
-        let bar = ProgressBar::new_spinner().with_message(format!("simulating {spec}"));
-        bar.set_style(ProgressStyle::with_template(
-            "{spinner} {msg}: {pos} requests done ({elapsed})",
-        )?);
-        bar.enable_steady_tick(Duration::from_millis(200));
         let started = Instant::now();
         let mut workload = args.workload.build(args.seed)?;
+        let bar = progress_bar(&format!("simulating {spec}"), workload.expected_requests(), args.quiet)?;
         let outcome = simulate(policy.build().as_ref(), workload.as_mut(), &config, &mut |done| {
             bar.set_position(done as u64)
         })?;
         bar.finish_and_clear();
-        eprintln!(
-            "{spec}: {} requests simulated in {:.2} s",
-            outcome.records.len(),
-            started.elapsed().as_secs_f64()
-        );
+        if !args.quiet {
+            eprintln!(
+                "{spec}: {} requests simulated in {:.2} s",
+                outcome.records.len(),
+                started.elapsed().as_secs_f64()
+            );
+        }
         rows.push(Summary::new(spec, &outcome));
+        // Only the figure needs the records.
+        if args.plot.is_some() {
+            outcomes.push(outcome);
+        }
     }
     let removal_note = removal.map_or(String::new(), |r| {
         format!(
@@ -154,12 +218,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             r.at as f64 / 1e6
         )
     });
-    println!(
+    let heading = format!(
         "workload {}, dp {}, preset {}{removal_note}",
         args.workload.name(),
         args.dp_size,
         args.cost.preset
     );
+    println!("{heading}");
     print!("{}", table(&rows));
     if let Some(path) = &args.json {
         let doc = json!({
@@ -173,6 +238,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         });
         std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if let Some(path) = &args.plot {
+        let runs: Vec<_> = rows.iter().zip(&outcomes).collect();
+        write_plot(path, &heading, &runs)?;
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -135,3 +135,70 @@ fn bad_arguments_exit_two_and_bad_traces_fail() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read trace"));
 }
+
+#[test]
+fn plot_writes_an_svg_figure_and_quiet_keeps_stderr_empty() {
+    let svg = std::env::temp_dir().join(format!("dprouter-sim-plot-{}.svg", std::process::id()));
+    let out = simulate(&[
+        "--workload",
+        "agent:agents=2,prefix_len=2000,turns=6",
+        "--dp-size",
+        "4",
+        "--policy",
+        "round_robin,prefix_match,cache_aware",
+        "--plot",
+        svg.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "", "--quiet");
+    let text = std::fs::read_to_string(&svg).unwrap();
+    std::fs::remove_file(&svg).unwrap();
+    assert!(
+        text.starts_with("<svg") && text.trim_end().ends_with("</svg>"),
+        "{text}"
+    );
+    assert!(text.contains("xmlns=\"http://www.w3.org/2000/svg\""));
+    assert_eq!(text.matches("<text").count(), text.matches("</text>").count());
+    for (i, name) in ["round_robin", "prefix_match", "cache_aware"].iter().enumerate() {
+        assert!(
+            text.contains(&format!("\n{}. {name}\n</text>", i + 1)),
+            "no legend entry for {name}"
+        );
+    }
+    // Three CDF lines (12 steps of 2 points each) and three load-share lines (4 ranks), at least.
+    let polylines = text.matches("<polyline").count();
+    assert!(polylines >= 6, "{polylines} polylines");
+
+    // Without --quiet, each policy reports its run on stderr.
+    let out = simulate(&[
+        "--workload",
+        "agent:turns=2",
+        "--dp-size",
+        "2",
+        "--policy",
+        "round_robin",
+    ]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("round_robin: 2 requests simulated"));
+}
+
+#[test]
+fn an_unwritable_plot_path_fails_with_a_message() {
+    let out = simulate(&[
+        "--workload",
+        "agent:turns=2",
+        "--dp-size",
+        "2",
+        "--plot",
+        "/nonexistent-dir/figure.svg",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("cannot write the chart to /nonexistent-dir/figure.svg"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    // Checked before the run: no table.
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+}

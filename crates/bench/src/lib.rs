@@ -8,9 +8,14 @@
 //! is measured alone. With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
 //!
 //! The outcome is the simulator's own [`SimOutcome`], so [`dprouter_sim::Summary`] reports both the same way.
+//! A stop signal (Ctrl-C in `dprouter bench`) ends a run early: no request is sent after it, the ones in flight are
+//! abandoned (their tasks aborted, not counted as errors), and the outcome holds what completed before it.
+//! [`plot`] draws the outcomes of a run as one SVG figure.
 
 use std::collections::HashMap;
 use std::time::Duration;
+
+pub mod plot;
 
 use bytes::Bytes;
 use dprouter_core::{dispatch, Policy, RouteRequest, Snapshot};
@@ -21,7 +26,8 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 /// Who chooses each request's rank.
@@ -65,8 +71,33 @@ struct Measured {
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
-/// Replays `workload` against the target until every request has finished; failed requests count as errors.
-pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Result<SimOutcome, BenchError> {
+/// The result of [`run`].
+#[derive(Debug, Clone, Default)]
+pub struct BenchOutcome {
+    /// The requests that completed (all of them, unless the run was stopped).
+    pub outcome: SimOutcome,
+    /// Set when the stop signal ended the run before the workload did.
+    pub stopped: Option<Stopped>,
+}
+
+/// How a stopped run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stopped {
+    /// Real time from the start of the run to the stop.
+    pub after: Duration,
+    /// Requests in flight at the stop, abandoned: neither records nor errors.
+    pub cut_off: usize,
+}
+
+/// Replays `workload` against the target until every request has finished, or until `stop` holds `true` (a sender
+/// dropped without ever sending `true` never stops the run). Failed requests count as errors. `on_progress` is
+/// called with the number of requests finished so far (completed or failed) after each one.
+pub async fn run(
+    workload: &mut dyn Workload,
+    config: &BenchConfig<'_>,
+    mut stop: watch::Receiver<bool>,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<BenchOutcome, BenchError> {
     let url: hyper::Uri = format!("{}/generate", config.target.trim_end_matches('/'))
         .parse()
         .map_err(|_| BenchError::Target(config.target.clone()))?;
@@ -89,6 +120,15 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
     };
     let mut guards = HashMap::new();
     let mut in_flight = 0usize;
+    // The request tasks: dropping the set aborts whatever is still in flight.
+    let mut tasks = JoinSet::new();
+    let mut stopped = None;
+    let stop_signal = async move {
+        if stop.wait_for(|s| *s).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(stop_signal);
     // Closed-loop follow-ups wait here for their arrival time, ordered by it.
     let mut delayed: Vec<SimRequest> = Vec::new();
     let mut next_open = workload.next_arrival();
@@ -112,6 +152,14 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
             }
         };
         tokio::select! {
+            biased;
+            () = &mut stop_signal => {
+                stopped = Some(Stopped {
+                    after: start.elapsed(),
+                    cut_off: in_flight,
+                });
+                break;
+            }
             _ = sleep => {
                 let req = match (&next_open, delayed.last()) {
                     (Some(a), Some(b)) if b.arrival < a.arrival => delayed.pop(),
@@ -140,13 +188,14 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
                         }
                         Err(_) => {
                             outcome.errors += 1;
+                            on_progress(outcome.records.len() + outcome.errors as usize);
                             continue;
                         }
                     }
                 }
                 in_flight += 1;
                 let (client, url, tx) = (client.clone(), url.clone(), done_tx.clone());
-                tokio::spawn(async move {
+                tasks.spawn(async move {
                     let result = send(&client, url, body).await;
                     let _ = tx.send(Finished { req, rank, result });
                 });
@@ -154,10 +203,13 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
             Some(done) = done_rx.recv() => {
                 in_flight -= 1;
                 guards.remove(&done.req.id);
+                // Reap finished tasks so the set stays as small as the requests in flight.
+                while tasks.try_join_next().is_some() {}
                 let measured = match done.result {
                     Ok(m) => m,
                     Err(_) => {
                         outcome.errors += 1;
+                        on_progress(outcome.records.len() + outcome.errors as usize);
                         continue;
                     }
                 };
@@ -182,13 +234,15 @@ pub async fn run(workload: &mut dyn Workload, config: &BenchConfig<'_>) -> Resul
                 if let Some(next) = workload.on_finish(&done.req, &measured.output_ids, finish) {
                     delayed.push(next);
                 }
+                on_progress(outcome.records.len() + outcome.errors as usize);
             }
         }
     }
+    tasks.abort_all();
     if let Some(err) = workload.take_error() {
         return Err(err.into());
     }
-    Ok(outcome)
+    Ok(BenchOutcome { outcome, stopped })
 }
 
 /// Sends one streaming `/generate` request and reads it to the end.

@@ -131,6 +131,11 @@ impl Workload for AgentWorkload {
         let think = self.config.think_s * (1.0 + self.config.think_jitter * (2.0 * u - 1.0));
         Some(self.request(agent, turn + 1, conversation, now + to_micros(think)))
     }
+
+    /// Every agent's turns: O(agents).
+    fn expected_requests(&self) -> Option<u64> {
+        Some((0..self.config.agents).map(|a| u64::from(self.turns_of(a))).sum())
+    }
 }
 
 #[cfg(test)]
@@ -161,6 +166,7 @@ mod tests {
         assert_eq!(a1.tokens.len(), a0.tokens.len() + 150 + 200);
         let a2 = w.on_finish(&a1, &out, 9_000_000).unwrap();
         assert!(w.on_finish(&a2, &out, 10_000_000).is_none(), "three turns only");
+        assert_eq!(w.expected_requests(), Some(6));
         assert_eq!((a1.id, a2.id, b0.id), (1, 2, 3));
     }
 
@@ -175,6 +181,7 @@ mod tests {
         let w = AgentWorkload::new(config, 1).unwrap();
         let lengths: Vec<u32> = (0..200).map(|a| w.turns_of(a)).collect();
         assert!(lengths.iter().all(|t| (4..=9).contains(t)));
+        assert_eq!(w.expected_requests(), Some(lengths.iter().map(|&t| u64::from(t)).sum()));
         assert!(lengths.contains(&4) && lengths.contains(&9));
         let mut w = AgentWorkload::new(
             AgentConfig {

@@ -102,6 +102,10 @@ impl Workload for GroupsWorkload {
     fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Option<SimRequest> {
         None
     }
+
+    fn expected_requests(&self) -> Option<u64> {
+        Some(self.order.len() as u64)
+    }
 }
 
 #[cfg(test)]
@@ -119,6 +123,7 @@ mod tests {
             ..GroupsConfig::default()
         };
         let mut w = GroupsWorkload::new(config, 1).unwrap();
+        assert_eq!(w.expected_requests(), Some(12));
         let all: Vec<SimRequest> = std::iter::from_fn(|| w.next_arrival()).collect();
         assert_eq!(all.len(), 12);
         assert!(all.windows(2).all(|p| p[0].arrival <= p[1].arrival));

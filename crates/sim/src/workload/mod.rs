@@ -51,6 +51,12 @@ pub trait Workload {
     fn take_error(&mut self) -> Option<WorkloadError> {
         None
     }
+
+    /// How many requests a full run sends, when that is cheaply known before the run (for progress bars); `None`
+    /// otherwise. Meant for display only: a run may end early (a trace's malformed line).
+    fn expected_requests(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[derive(Debug, Error)]

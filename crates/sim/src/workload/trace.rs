@@ -134,6 +134,22 @@ impl Workload for TraceWorkload {
     fn take_error(&mut self) -> Option<WorkloadError> {
         self.error.take()
     }
+
+    /// The file's non-empty lines (capped at `limit`), counted by reading it once more: one sequential pass, a few
+    /// milliseconds for a trace of tens of thousands of lines. `None` when the file cannot be read again.
+    fn expected_requests(&self) -> Option<u64> {
+        let file = File::open(&self.config.path).ok()?;
+        let mut count = 0u64;
+        for line in BufReader::new(file).lines() {
+            if self.config.limit > 0 && count >= self.config.limit {
+                break;
+            }
+            if !line.ok()?.trim().is_empty() {
+                count += 1;
+            }
+        }
+        Some(count)
+    }
 }
 
 #[cfg(test)]
@@ -158,7 +174,10 @@ mod tests {
             speedup: 2.0,
             limit: 0,
         };
-        let mut w = TraceWorkload::open(config, 3).unwrap();
+        let mut w = TraceWorkload::open(config.clone(), 3).unwrap();
+        assert_eq!(w.expected_requests(), Some(2));
+        let limited = TraceConfig { limit: 1, ..config };
+        assert_eq!(TraceWorkload::open(limited, 3).unwrap().expected_requests(), Some(1));
         let (a, b) = (w.next_arrival().unwrap(), w.next_arrival().unwrap());
         assert!(w.next_arrival().is_none() && w.take_error().is_none());
         assert_eq!((a.tokens.len(), b.tokens.len()), (1000, 600));

@@ -1,0 +1,98 @@
+//! `dprouter bench` as a process: Ctrl-C (SIGINT) stops a run cleanly and still reports what completed; `--quiet`
+//! keeps stderr empty.
+#![cfg(unix)]
+#![allow(clippy::unwrap_used)]
+
+use std::process::{Command, Stdio};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+#[test]
+fn sigint_stops_the_run_prints_what_completed_and_exits_130() {
+    let json = std::env::temp_dir().join(format!("dprouter-bench-sigint-{}.json", std::process::id()));
+    // Against the embedded mock engine: each turn takes ~2.3 s of preset time (0.1 s prefill of 2,200 tokens, 150
+    // output tokens at 8 ms, 1 s of thinking), 0.46 s of real time at scale 0.2; both agents' 200 turns take ~90 s.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .args([
+            "bench",
+            "--workload",
+            "agent:agents=2,turns=200,prefix_len=2000",
+            "--preset",
+            "h100-8b",
+            "--time-scale",
+            "0.2",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    sleep(Duration::from_millis(2500));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "bench ended before it was interrupted"
+    );
+    let kill = Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("bench still running 20 s after SIGINT");
+        }
+        sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(130), "{stdout}\n{stderr}");
+    // The first policy's row, with what completed before the interrupt; the second policy never started.
+    let row = stdout
+        .lines()
+        .find(|l| l.starts_with("http:round_robin "))
+        .unwrap_or_else(|| panic!("no round_robin row: {stdout}\n{stderr}"));
+    let requests: u64 = row.split_whitespace().nth(1).unwrap().parse().unwrap();
+    assert!(requests > 0, "{row}");
+    assert!(!stdout.contains("http:prefix_match"), "{stdout}");
+    assert!(stdout.contains("interrupted by Ctrl-C after"), "{stdout}");
+    assert!(stdout.contains("not run: prefix_match"), "{stdout}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    let result = &doc["results"][0];
+    assert_eq!(result["requests"].as_u64(), Some(requests));
+    // Abandoned requests are not errors.
+    assert_eq!(result["errors"].as_u64(), Some(0), "{doc}");
+    let interrupted = &doc["interrupted"];
+    assert!(interrupted["after_s"].as_f64().unwrap() >= 2.0, "{doc}");
+    assert!(interrupted["cut_off"].as_u64().unwrap() <= 2, "{doc}");
+}
+
+#[test]
+fn quiet_prints_only_the_results() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .args([
+            "bench",
+            "--workload",
+            "agent:agents=1,turns=2,prefix_len=100",
+            "--preset",
+            "zero",
+            "--policy",
+            "round_robin",
+            "--quiet",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stderr), "");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(stdout.lines().any(|l| l.starts_with("http:round_robin ")), "{stdout}");
+}
