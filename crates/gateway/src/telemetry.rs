@@ -29,6 +29,21 @@ pub const DURATION: &str = "dprouter_request_duration_seconds";
 pub const PROMPT_TOKENS: &str = "dprouter_prompt_tokens_total";
 pub const CACHED_TOKENS: &str = "dprouter_cached_tokens_total";
 
+/// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
+/// `tests/dashboard.rs` keeps the two in step.
+pub const ALL: &[&str] = &[
+    REQUESTS,
+    DECISIONS,
+    UPSTREAM_ERRORS,
+    RETRIES,
+    IN_FLIGHT,
+    HEALTHY,
+    TTFT,
+    DURATION,
+    PROMPT_TOKENS,
+    CACHED_TOKENS,
+];
+
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
