@@ -25,7 +25,7 @@ enum BackendArg {
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// TOML config file (every field is in the README); flags override it.
+    /// TOML config file (every field is in docs/gateway.md); flags override it.
     #[arg(long)]
     config: Option<PathBuf>,
     /// Address to listen on (default 127.0.0.1:8000; port 0 picks a free port).

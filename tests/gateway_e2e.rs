@@ -524,3 +524,22 @@ async fn cache_aware_waits_for_a_prefix_that_is_being_prefilled() {
         }
     }
 }
+
+/// The README's first command and its `curl`: `serve` with no worker fronts an embedded mock engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_without_workers_fronts_an_embedded_engine() {
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0"]);
+    let c = client();
+    let body = json!({"model": "dprouter/mock", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16});
+    let reply = post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    let answer = reply.json["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(answer.split_whitespace().count(), 16, "{answer}");
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(workers["policy"], "cache_aware");
+    assert_eq!(workers["workers"][0]["endpoints"].as_array().unwrap().len(), 4);
+    assert!(get(&c, &format!("{}/metrics", gw.url))
+        .await
+        .text
+        .contains("dprouter_requests_total"));
+}

@@ -16,8 +16,8 @@
 //!   tokens are new). tpot 25 ms with 150-token answers and 1 s think time gives its 30 requests in ~180 s.
 //!   500k KV tokens per rank. Prefill stalls decode on every rank: at tp16/dp16/ep16 SGLang runs DP attention, where
 //!   all ranks take each forward pass together (the MoE layers exchange tokens across them), so a rank's prefill
-//!   holds the others' decode steps. With it, four agents on one prefix under `prefix_match` make 0.406 requests/s,
-//!   the seed's measured 0.41; without it, 0.607.
+//!   holds the others' decode steps; that coupling is what brings four agents on one prefix under `prefix_match`
+//!   to the seed's 0.41 requests/s (`docs/measurements.md`).
 //! - `h100-8b`: a Llama-3-8B-class model on one H100 SXM per rank. Prefill ~25k tokens/s: 16 GFLOP per token
 //!   (2 × 8B parameters) at ~40% of the H100's 989 dense BF16 TFLOPS (NVIDIA H100 datasheet); base 25 ms
 //!   (scheduling and one forward pass); tpot 8 ms: 16 GB of BF16 weights read per step at 3.35 TB/s is 4.8 ms, plus

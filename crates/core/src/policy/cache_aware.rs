@@ -19,16 +19,15 @@
 //!    request's own prefill time there (`(prompt − cached) / prefill_rate`): recomputing a prefix on a busy
 //!    endpoint also delays the requests that will queue behind it there, about as many as queue there now.
 //!    Without that term (`congestion_weight = 0`) a busy fleet spreads every request to the shortest queue,
-//!    recomputes prefixes it already holds, and the extra work makes the queues longer still (mean TTFT 487 ms
-//!    against 164 ms in the README's loaded `groups` run). The term counts the candidate's own queue, not the
-//!    fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still spreads to idle endpoints (a
-//!    fleet-wide count piled 16 agents on one prefix onto few of 8 ranks, mean TTFT 5.6 s against 1.5 s, measured
-//!    before `seed-moe` stalled decode). Ties go to the longer match, then the fewer requests in flight, then the
-//!    higher rendezvous score of the prompt's first block. So a prompt that no endpoint holds (branch `cold`) goes
+//!    recomputes prefixes it already holds, and the extra work makes the queues longer still. The term counts the
+//!    candidate's own queue, not the fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still
+//!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Ties go
+//!    to the longer match, then the fewer requests in flight, then the higher rendezvous score of the prompt's
+//!    first block. So a prompt that no endpoint holds (branch `cold`) goes
 //!    to the least loaded endpoints' rendezvous choice, and replicas agree on cold placements of an idle fleet.
 //!    Cache affinity and load balance come from one cost, with no hit or miss thresholds. The choice is greedy,
-//!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint (README, "Concurrent
-//!    agents on one prefix").
+//!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
+//!    (`docs/measurements.md`, "Agents that arrive apart").
 //! 4. [`Policy::routed`] (every decision, rank overrides included) records the prompt's blocks for the chosen
 //!    endpoint; each endpoint forgets its least recently used blocks beyond its KV capacity
 //!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`).

@@ -22,11 +22,9 @@
 //! The load measure ([`AffinityLoad`]) is configurable. The default is `prefill`: requests dispatched to the
 //! endpoint whose first token has not arrived, the queue that delays a first token. Counting requests in flight
 //! (`requests`) also counts requests that are only decoding, so a conversation's home looks full while it is
-//! merely streaming answers and its turns spill to endpoints without its history (hit rate 0.72 against 0.89 for
-//! `prefill` with 128 conversations on 16 ranks); weighting by tokens (`prefill_tokens`) spills a long prompt away
-//! from a home with one other long prompt queued (hit rate 0.71 against 0.86 with 32 agents of 22k-token prefixes).
-//! `requests` does better when every rank holds several long-lived hot prefixes (0.91 against 0.86 in that same
-//! 32-agent run). The measurements are in the README.
+//! merely streaming answers and its turns spill to endpoints without its history; weighting by tokens
+//! (`prefill_tokens`) spills a long prompt away from a home with one other long prompt queued. The three are
+//! compared in `docs/measurements.md` ("Choices measured").
 //!
 //! Branches: `affine` (the key's first choice), `fallback` (its first choice is down; the first healthy one in its
 //! order took it), `spill` (over the bound: a later choice), `empty` (no prompt: round-robin turn). Overrides are
