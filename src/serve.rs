@@ -43,7 +43,7 @@ pub struct ServeArgs {
     /// Load-balancing policy (overrides the config's [routing]).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<PolicyConfig>,
-    /// Require `Authorization: Bearer KEY` on admin routes.
+    /// Require `Authorization: Bearer KEY` on admin routes (without it they answer only loopback clients).
     #[arg(long)]
     admin_key: Option<String>,
     /// Ignore and strip clients' rank overrides (multi-tenant deployments).

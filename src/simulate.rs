@@ -139,8 +139,12 @@ fn parse_removal(spec: &str) -> Result<(usize, f64), String> {
 fn build_config(spec: &str, cost: &CostModel) -> anyhow::Result<PolicyConfig> {
     let mut obj = PolicyConfig::spec_object(spec)?;
     if obj.get("policy").and_then(|p| p.as_str()) == Some("cache_aware") {
-        obj.entry("prefill_tokens_per_s")
-            .or_insert(cost.prefill_tokens_per_s.into());
+        // A cost-free engine (preset `zero`) has no prefill rate to copy: cache_aware needs a positive one, so it
+        // keeps its default.
+        if cost.prefill_tokens_per_s > 0.0 && cost.prefill_tokens_per_s.is_finite() {
+            obj.entry("prefill_tokens_per_s")
+                .or_insert(cost.prefill_tokens_per_s.into());
+        }
         obj.entry("base_ms").or_insert((cost.base_s * 1000.0).into());
     }
     Ok(PolicyConfig::from_object(obj)?)

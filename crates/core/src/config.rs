@@ -1,7 +1,9 @@
 //! Typed policy configuration.
 //!
-//! A policy is named by the `policy` tag and configured by the fields of its own struct; an unknown policy name or
-//! an unknown field is an error, never a silent default. In TOML:
+//! A policy is named by the `policy` tag and configured by the fields of its own struct; an unknown policy name, an
+//! unknown field or a value that makes no sense (`block_tokens = 0`, a negative ε, …: [`PolicyConfig::validate`])
+//! is an error, never a silent default or clamp. Every way in (TOML, JSON, a command-line spec) deserializes
+//! through the same check. In TOML:
 //!
 //! ```toml
 //! [routing]
@@ -23,9 +25,9 @@ use crate::prefix_key::PrefixWindow;
 #[serde(deny_unknown_fields)]
 pub struct NoOptions {}
 
-/// One policy and its options.
+/// One policy and its options. Deserializing validates the options ([`PolicyConfig::validate`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "policy", rename_all = "snake_case")]
+#[serde(tag = "policy", rename_all = "snake_case", try_from = "UncheckedPolicyConfig")]
 pub enum PolicyConfig {
     RoundRobin(NoOptions),
     FollowBootstrapRoom(NoOptions),
@@ -36,16 +38,73 @@ pub enum PolicyConfig {
     CacheAware(CacheAwareConfig),
 }
 
+/// [`PolicyConfig`] as written, before [`PolicyConfig::validate`].
+#[derive(Deserialize)]
+#[serde(tag = "policy", rename_all = "snake_case")]
+enum UncheckedPolicyConfig {
+    RoundRobin(NoOptions),
+    FollowBootstrapRoom(NoOptions),
+    TotalRequests(NoOptions),
+    TotalTokens(NoOptions),
+    PrefixMatch(PrefixWindow),
+    PrefixAffinity(PrefixAffinityConfig),
+    CacheAware(CacheAwareConfig),
+}
+
+impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
+    type Error = InvalidOption;
+
+    fn try_from(raw: UncheckedPolicyConfig) -> Result<Self, InvalidOption> {
+        let config = match raw {
+            UncheckedPolicyConfig::RoundRobin(o) => PolicyConfig::RoundRobin(o),
+            UncheckedPolicyConfig::FollowBootstrapRoom(o) => PolicyConfig::FollowBootstrapRoom(o),
+            UncheckedPolicyConfig::TotalRequests(o) => PolicyConfig::TotalRequests(o),
+            UncheckedPolicyConfig::TotalTokens(o) => PolicyConfig::TotalTokens(o),
+            UncheckedPolicyConfig::PrefixMatch(o) => PolicyConfig::PrefixMatch(o),
+            UncheckedPolicyConfig::PrefixAffinity(o) => PolicyConfig::PrefixAffinity(o),
+            UncheckedPolicyConfig::CacheAware(o) => PolicyConfig::CacheAware(o),
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// The largest `cache_aware` block: a million tokens (any real context fits one block long before that).
+pub const MAX_BLOCK_TOKENS: usize = 1 << 20;
+
+/// A policy option whose value makes no sense; the message names the policy and the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{policy}: {field} {message}")]
+pub struct InvalidOption {
+    pub policy: &'static str,
+    pub field: &'static str,
+    pub message: String,
+}
+
 impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig::RoundRobin(NoOptions {})
     }
 }
 
-/// An unknown policy name, or options that do not fit the policy.
+/// An unknown policy name, or options that do not fit the policy. (The cause is in the message, not a `source`,
+/// so a chain of errors prints it once.)
 #[derive(Debug, thiserror::Error)]
 #[error("invalid policy config: {0}")]
-pub struct ConfigError(#[from] serde_json::Error);
+pub struct ConfigError(serde_json::Error);
+
+impl From<serde_json::Error> for ConfigError {
+    fn from(e: serde_json::Error) -> Self {
+        ConfigError(e)
+    }
+}
+
+impl From<InvalidOption> for ConfigError {
+    fn from(e: InvalidOption) -> Self {
+        use serde::de::Error;
+        ConfigError(serde_json::Error::custom(e))
+    }
+}
 
 impl PolicyConfig {
     /// Every policy name, in the order the docs list them.
@@ -89,6 +148,84 @@ impl PolicyConfig {
     /// A policy from a command-line spec (`prefix_affinity:epsilon=0.5,load=requests`).
     pub fn from_spec(spec: &str) -> Result<Self, ConfigError> {
         Self::from_object(Self::spec_object(spec)?)
+    }
+
+    /// Rejects options that make no sense, naming the field: zero windows, blocks or capacities, a prefill rate
+    /// that is not a positive number, a negative (or NaN) ε, base time or congestion weight. Policies never clamp
+    /// such values silently.
+    pub fn validate(&self) -> Result<(), InvalidOption> {
+        let policy = self.name();
+        let fail = |field: &'static str, message: String| Err(InvalidOption { policy, field, message });
+        match self {
+            PolicyConfig::RoundRobin(_)
+            | PolicyConfig::FollowBootstrapRoom(_)
+            | PolicyConfig::TotalRequests(_)
+            | PolicyConfig::TotalTokens(_) => {}
+            PolicyConfig::PrefixMatch(w) => {
+                for (field, value) in [
+                    ("max_tokens", w.max_tokens),
+                    ("window_tokens", w.window_tokens),
+                    ("max_bytes", w.max_bytes),
+                    ("window_bytes", w.window_bytes),
+                ] {
+                    if value == 0 {
+                        return fail(field, "must be at least 1, got 0".into());
+                    }
+                }
+                if w.window_tokens > w.max_tokens {
+                    return fail(
+                        "window_tokens",
+                        format!("({}) must be at most max_tokens ({})", w.window_tokens, w.max_tokens),
+                    );
+                }
+                if w.window_bytes > w.max_bytes {
+                    return fail(
+                        "window_bytes",
+                        format!("({}) must be at most max_bytes ({})", w.window_bytes, w.max_bytes),
+                    );
+                }
+            }
+            PolicyConfig::PrefixAffinity(c) => {
+                for (field, value) in [("key_tokens", c.key_tokens), ("key_bytes", c.key_bytes)] {
+                    if value == 0 {
+                        return fail(field, "must be at least 1, got 0".into());
+                    }
+                }
+                // +inf is allowed: no bound, pure affinity.
+                if c.epsilon.is_nan() || c.epsilon < 0.0 {
+                    return fail("epsilon", format!("must be at least 0, got {}", c.epsilon));
+                }
+            }
+            PolicyConfig::CacheAware(c) => {
+                if !(1..=MAX_BLOCK_TOKENS).contains(&c.block_tokens) {
+                    return fail(
+                        "block_tokens",
+                        format!("must be between 1 and {MAX_BLOCK_TOKENS}, got {}", c.block_tokens),
+                    );
+                }
+                if c.kv_capacity_tokens < c.block_tokens as u64 {
+                    return fail(
+                        "kv_capacity_tokens",
+                        format!(
+                            "({}) must be at least block_tokens ({}): the index holds whole blocks",
+                            c.kv_capacity_tokens, c.block_tokens
+                        ),
+                    );
+                }
+                if !(c.prefill_tokens_per_s.is_finite() && c.prefill_tokens_per_s > 0.0) {
+                    return fail(
+                        "prefill_tokens_per_s",
+                        format!("must be a positive number, got {}", c.prefill_tokens_per_s),
+                    );
+                }
+                for (field, value) in [("base_ms", c.base_ms), ("congestion_weight", c.congestion_weight)] {
+                    if !(value.is_finite() && value >= 0.0) {
+                        return fail(field, format!("must be a finite number at least 0, got {value}"));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn name(&self) -> &'static str {
@@ -147,6 +284,96 @@ mod tests {
         for bad in ["cache_aware:block_tokens", "cache_aware:nope=1", "round_robin:x=1"] {
             assert!(PolicyConfig::from_spec(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn senseless_option_values_are_errors_naming_the_field() {
+        for (spec, field) in [
+            ("cache_aware:block_tokens=0", "block_tokens"),
+            ("cache_aware:block_tokens=2000000", "block_tokens"),
+            ("cache_aware:kv_capacity_tokens=0", "kv_capacity_tokens"),
+            (
+                "cache_aware:block_tokens=64,kv_capacity_tokens=63",
+                "kv_capacity_tokens",
+            ),
+            ("cache_aware:prefill_tokens_per_s=0", "prefill_tokens_per_s"),
+            ("cache_aware:prefill_tokens_per_s=-1", "prefill_tokens_per_s"),
+            ("cache_aware:base_ms=-0.5", "base_ms"),
+            ("cache_aware:congestion_weight=-1", "congestion_weight"),
+            ("prefix_affinity:epsilon=-0.1", "epsilon"),
+            ("prefix_affinity:key_tokens=0", "key_tokens"),
+            ("prefix_affinity:key_bytes=0", "key_bytes"),
+            ("prefix_match:window_tokens=0", "window_tokens"),
+            ("prefix_match:window_bytes=0", "window_bytes"),
+            ("prefix_match:max_tokens=0", "max_tokens"),
+            ("prefix_match:max_bytes=0", "max_bytes"),
+            ("prefix_match:max_tokens=128", "window_tokens"),
+        ] {
+            let err = PolicyConfig::from_spec(spec).unwrap_err().to_string();
+            let policy = spec.split(':').next().unwrap();
+            assert!(err.contains(&format!("{policy}: {field} ")), "{spec}: {err}");
+        }
+        // The same check guards every way in: JSON objects, and values JSON cannot carry.
+        let err = serde_json::from_str::<PolicyConfig>(r#"{"policy": "cache_aware", "block_tokens": 0}"#).unwrap_err();
+        assert!(err.to_string().contains("block_tokens"), "{err}");
+        for (config, field) in [
+            (
+                PolicyConfig::CacheAware(CacheAwareConfig {
+                    prefill_tokens_per_s: f64::NAN,
+                    ..CacheAwareConfig::default()
+                }),
+                "prefill_tokens_per_s",
+            ),
+            (
+                PolicyConfig::CacheAware(CacheAwareConfig {
+                    prefill_tokens_per_s: f64::INFINITY,
+                    ..CacheAwareConfig::default()
+                }),
+                "prefill_tokens_per_s",
+            ),
+            (
+                PolicyConfig::CacheAware(CacheAwareConfig {
+                    base_ms: f64::INFINITY,
+                    ..CacheAwareConfig::default()
+                }),
+                "base_ms",
+            ),
+            (
+                PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+                    epsilon: f64::NAN,
+                    ..PrefixAffinityConfig::default()
+                }),
+                "epsilon",
+            ),
+        ] {
+            assert_eq!(config.validate().unwrap_err().field, field, "{config:?}");
+        }
+        // Edge values that do make sense stay accepted.
+        for spec in [
+            "cache_aware:block_tokens=1,kv_capacity_tokens=1,base_ms=0,congestion_weight=0",
+            "prefix_affinity:epsilon=0",
+            "prefix_match:max_tokens=1,window_tokens=1,max_bytes=1,window_bytes=1",
+        ] {
+            assert!(PolicyConfig::from_spec(spec).is_ok(), "{spec}");
+        }
+        let unbounded = PolicyConfig::PrefixAffinity(PrefixAffinityConfig {
+            epsilon: f64::INFINITY,
+            ..PrefixAffinityConfig::default()
+        });
+        assert!(unbounded.validate().is_ok(), "an infinite epsilon is no bound");
+        for name in PolicyConfig::NAMES {
+            assert!(
+                PolicyConfig::from_name(name).unwrap().validate().is_ok(),
+                "{name}'s defaults"
+            );
+        }
+    }
+
+    #[test]
+    fn an_error_carries_its_cause_in_the_message_only() {
+        let err = PolicyConfig::from_spec("cache_aware:nope=1").unwrap_err();
+        assert!(std::error::Error::source(&err).is_none());
+        assert!(err.to_string().contains("nope"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,7 @@ pub mod prefix_key;
 pub mod prompt;
 pub mod request;
 
-pub use config::{ConfigError, PolicyConfig};
+pub use config::{ConfigError, InvalidOption, PolicyConfig};
 pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};

@@ -343,4 +343,62 @@ mod tests {
             assert_eq!(parse_request(&body), Err(expected), "{body}");
         }
     }
+
+    mod arbitrary {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Arbitrary JSON up to a few levels deep, biased towards the fields the parser reads.
+        fn json() -> impl Strategy<Value = Value> {
+            let leaf = prop_oneof![
+                Just(Value::Null),
+                any::<bool>().prop_map(Value::from),
+                any::<i64>().prop_map(Value::from),
+                any::<u64>().prop_map(Value::from),
+                any::<f64>().prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+                ".{0,12}".prop_map(Value::from),
+            ];
+            leaf.prop_recursive(4, 64, 8, |inner| {
+                let key = prop_oneof![
+                    Just("input_ids".to_string()),
+                    Just("text".to_string()),
+                    Just("prompt".to_string()),
+                    Just("messages".to_string()),
+                    Just("tools".to_string()),
+                    Just("role".to_string()),
+                    Just("content".to_string()),
+                    Just("routed_dp_rank".to_string()),
+                    Just("data_parallel_rank".to_string()),
+                    Just("bootstrap_room".to_string()),
+                    "[a-z]{1,6}",
+                ];
+                prop_oneof![
+                    prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                    prop::collection::btree_map(key, inner, 0..6).prop_map(|m| Value::Object(m.into_iter().collect())),
+                ]
+            })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2000))]
+
+            /// Any bytes: either not JSON, or a request, or a clear error; never a panic.
+            #[test]
+            fn arbitrary_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..256)) {
+                if let Ok(value) = serde_json::from_slice::<Value>(&bytes) {
+                    let _ = parse_request(&value);
+                }
+            }
+
+            /// Any JSON shaped like a request: parsed or refused with a message, never a panic, and a parsed
+            /// request came from an object.
+            #[test]
+            fn arbitrary_json_never_panics(value in json()) {
+                match parse_request(&value) {
+                    Ok(_) => prop_assert!(value.is_object()),
+                    Err(e) => prop_assert!(!e.to_string().is_empty()),
+                }
+            }
+        }
+    }
 }
