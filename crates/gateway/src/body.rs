@@ -6,18 +6,25 @@
 //! and dropping the upstream body closes the upstream connection, which cancels the request at the engine. On the
 //! way it records the time to the first byte and releases the request's queued-prefill share there (the engine has
 //! finished its prefill), and keeps the tail of the response to read the engine's usage report (prompt and cached
-//! tokens) at the end, which goes to the metrics and to the policy's `observe`. An upstream body that breaks mid-way ends an SSE stream with one
-//! `data: {"error": …}` event and no `[DONE]` (what OpenAI clients raise on), and breaks any other body.
+//! tokens) at the end, which goes to the metrics and to the policy's `observe`.
+//!
+//! Two deadlines bound a response that stalls: its first byte must come by the request's first-byte deadline,
+//! and each later byte within the stream idle timeout of the one before. An upstream body that breaks or stalls
+//! mid-way counts against the endpoint and ends an SSE stream with one `data: {"error": …}` event (after ending
+//! a partial line, so clients parse it as an event) and no `[DONE]`, which OpenAI clients raise on; any other
+//! body breaks.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use dprouter_core::{EndpointId, LoadGuard};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use serde_json::Value;
+use tokio::time::Sleep;
 
 use crate::registry::{Failure, Registry};
 use crate::telemetry;
@@ -30,8 +37,24 @@ const TAIL_BYTES: usize = 64 << 10;
 /// Whole JSON (non-streaming) responses up to this size are kept to read their usage.
 const WHOLE_BYTES: usize = 4 << 20;
 
+/// The error a relayed body ends with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// When the request arrived, and when its response must make progress.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// The request was received (time to first token is measured from here).
+    pub received: Instant,
+    /// The first byte of the body must arrive by then.
+    pub first_byte: tokio::time::Instant,
+    /// Each later byte within this of the one before.
+    pub idle: Duration,
+}
+
 pub struct GuardedBody {
     inner: Incoming,
+    deadline: Pin<Box<Sleep>>,
+    idle: Duration,
     guard: Option<LoadGuard>,
     endpoint: EndpointId,
     label: String,
@@ -52,17 +75,19 @@ impl GuardedBody {
         endpoint: EndpointId,
         registry: Arc<Registry>,
         observer: Observer,
-        received: Instant,
         sse: bool,
+        timing: Timing,
     ) -> Self {
         Self {
             inner,
+            deadline: Box::pin(tokio::time::sleep_until(timing.first_byte)),
+            idle: timing.idle,
             guard: Some(guard),
             endpoint,
             label: endpoint.to_string(),
             registry,
             observer: Some(observer),
-            received,
+            received: timing.received,
             first_byte: false,
             sse,
             tail: Vec::new(),
@@ -94,17 +119,61 @@ impl GuardedBody {
     }
 }
 
+impl GuardedBody {
+    /// Ends the response because the upstream broke (`kind` `stream`) or stalled (`timeout`): counts against the
+    /// endpoint, releases the load, and ends an SSE stream with an error event, any other body with `err`.
+    fn fail(
+        &mut self,
+        kind: &'static str,
+        message: &str,
+        err: BoxError,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => self.label.clone(), "kind" => kind).increment(1);
+        self.registry
+            .record_failure(self.endpoint, Failure::Engine, Instant::now());
+        self.done = true;
+        self.guard = None;
+        if !self.sse {
+            return Poll::Ready(Some(Err(err)));
+        }
+        // End a partial line or event first, then the error event, then a clean end: bytes already written are
+        // not lost to a reset.
+        let open = if self.tail.is_empty() || self.tail.ends_with(b"\n\n") {
+            ""
+        } else if self.tail.ends_with(b"\n") {
+            "\n"
+        } else {
+            "\n\n"
+        };
+        let code = if kind == "timeout" { 504 } else { 502 };
+        let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": code}});
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!("{open}data: {event}\n\n"))))))
+    }
+}
+
 impl Body for GuardedBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
         if this.done {
             return Poll::Ready(None);
         }
         match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => Poll::Pending,
+            Poll::Pending => {
+                if this.deadline.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                let what = if this.first_byte {
+                    "stalled mid-way"
+                } else {
+                    "sent no first byte"
+                };
+                tracing::warn!(endpoint = %this.label, "upstream stream {what}: timed out");
+                let message = format!("the upstream stream {what} in time");
+                this.fail("timeout", &message, message.clone().into())
+            }
             Poll::Ready(None) => {
                 this.finish();
                 Poll::Ready(None)
@@ -124,6 +193,8 @@ impl Body for GuardedBody {
                     }
                     let data = data.clone();
                     this.keep(&data);
+                    let next = tokio::time::Instant::now() + this.idle;
+                    this.deadline.as_mut().reset(next);
                 }
                 // A body of known length ends without a final `None` poll.
                 if this.inner.is_end_stream() {
@@ -133,18 +204,11 @@ impl Body for GuardedBody {
             }
             Poll::Ready(Some(Err(err))) => {
                 tracing::warn!(endpoint = %this.label, error = %err, "upstream stream broke");
-                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => this.label.clone(), "kind" => "stream")
-                    .increment(1);
-                this.registry.record_failure(this.endpoint, Failure::Server);
-                this.done = true;
-                this.guard = None;
-                if this.sse {
-                    // The error event, then a clean end: bytes already written are not lost to a reset.
-                    let event = serde_json::json!({"error": {"message": "the upstream stream broke before the response was complete",
-                        "type": "upstream_error", "code": 502}});
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!("data: {event}\n\n"))))));
-                }
-                Poll::Ready(Some(Err(err)))
+                this.fail(
+                    "stream",
+                    "the upstream stream broke before the response was complete",
+                    err.into(),
+                )
             }
         }
     }

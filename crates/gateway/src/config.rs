@@ -59,8 +59,8 @@ pub struct WorkerConfig {
     pub url: String,
     #[serde(default)]
     pub backend: Backend,
-    /// Data-parallel ranks behind the URL. SGLang: read from `/get_server_info` when absent. vLLM: required
-    /// (default 1). OpenAI: always 1.
+    /// Data-parallel ranks behind the URL, 1 to [`MAX_DP_SIZE`]. SGLang: read from `/get_server_info` when absent.
+    /// vLLM: required (default 1). OpenAI: always 1.
     #[serde(default)]
     pub dp_size: Option<u32>,
     /// SGLang only: the body field that carries the rank.
@@ -80,8 +80,17 @@ pub struct HealthConfig {
     pub failure_threshold: u32,
     /// Consecutive successful probes that bring them back.
     pub success_threshold: u32,
-    /// Consecutive 5xx answers from one endpoint that mark it down (a refused connection marks it down at once).
+    /// Consecutive failures of one endpoint (5xx answers, refused connections, broken streams, first-byte
+    /// timeouts) that eject it from routing. A request's own fault (4xx, a client disconnect) never counts.
     pub passive_failure_threshold: u32,
+    /// How long an endpoint's first ejection lasts, milliseconds; each ejection in a row doubles it.
+    pub base_ejection_ms: u64,
+    /// The longest ejection, milliseconds.
+    pub max_ejection_ms: u64,
+    /// At most this share of all endpoints (percent) is ejected at once; at least one may always be.
+    pub max_ejection_percent: u32,
+    /// Below this share of routable endpoints (percent), route across all endpoints (panic mode).
+    pub panic_threshold_percent: u32,
 }
 
 impl Default for HealthConfig {
@@ -92,6 +101,10 @@ impl Default for HealthConfig {
             failure_threshold: 2,
             success_threshold: 2,
             passive_failure_threshold: 3,
+            base_ejection_ms: 5_000,
+            max_ejection_ms: 300_000,
+            max_ejection_percent: 50,
+            panic_threshold_percent: 50,
         }
     }
 }
@@ -104,6 +117,56 @@ pub struct LoadConfig {
     pub poll_interval_ms: u64,
 }
 
+/// The client side of the gateway's HTTP server (`[server]`): timeouts and limits. Why each default is what it is:
+/// `docs/operations.md`, "Timeouts and limits".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServerConfig {
+    /// From the first byte of a request to the end of its headers, milliseconds; the connection is closed after.
+    pub header_read_timeout_ms: u64,
+    /// From the end of a generation request's headers to the end of its body, milliseconds; 408 after.
+    pub request_body_timeout_ms: u64,
+    /// A connection with no request in flight and none arriving is closed after this long, milliseconds.
+    pub idle_timeout_ms: u64,
+    /// After SIGTERM or Ctrl-C, how long requests in flight may take to finish before their connections are cut.
+    pub drain_timeout_ms: u64,
+    /// Client connections open at once; more wait in the kernel's accept queue (keep it under `ulimit -n`).
+    pub max_connections: u32,
+    /// Generation requests in flight at once; more are answered 503 with `Retry-After: 1` at once.
+    pub max_in_flight: u32,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            header_read_timeout_ms: 10_000,
+            request_body_timeout_ms: 60_000,
+            idle_timeout_ms: 75_000,
+            drain_timeout_ms: 25_000,
+            max_connections: 4096,
+            max_in_flight: 2048,
+        }
+    }
+}
+
+impl ServerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (field, value) in [
+            ("header_read_timeout_ms", self.header_read_timeout_ms),
+            ("request_body_timeout_ms", self.request_body_timeout_ms),
+            ("idle_timeout_ms", self.idle_timeout_ms),
+            ("drain_timeout_ms", self.drain_timeout_ms),
+            ("max_connections", u64::from(self.max_connections)),
+            ("max_in_flight", u64::from(self.max_in_flight)),
+        ] {
+            if value == 0 {
+                return Err(ConfigError::Invalid(format!("server.{field} must be positive")));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct GatewayConfig {
@@ -113,9 +176,12 @@ pub struct GatewayConfig {
     pub routing: PolicyConfig,
     pub health: HealthConfig,
     pub load: LoadConfig,
+    /// Client-side timeouts and connection and request limits.
+    pub server: ServerConfig,
     /// Largest accepted request body, bytes (default 64 MiB: a 200k-token prompt as `input_ids` is ~1.5 MB).
     pub max_body_bytes: usize,
-    /// When set, admin routes require `Authorization: Bearer <key>`.
+    /// When set, admin routes require `Authorization: Bearer <key>` from every client; unset, they answer only
+    /// loopback clients (403 to the others). Must not be empty.
     pub admin_key: Option<String>,
     /// Honour a client's `routed_dp_rank` / `data_parallel_rank` / `X-Data-Parallel-Rank`. Turn off for
     /// multi-tenant deployments: the fields are then ignored and stripped.
@@ -124,6 +190,15 @@ pub struct GatewayConfig {
     pub retries: u32,
     /// Upstream connect timeout, milliseconds.
     pub connect_timeout_ms: u64,
+    /// How long the gateway waits for an engine's response head, milliseconds (a 504 after it). For a response
+    /// that is not streamed the head comes with the whole answer. A client may ask for less with the header
+    /// `x-dprouter-first-byte-timeout-ms`.
+    pub first_byte_timeout_ms: u64,
+    /// How long a response body may go without a byte once it has started, milliseconds (Envoy's
+    /// `stream_idle_timeout`); the stream then ends with an error event.
+    pub stream_idle_timeout_ms: u64,
+    /// How long an upstream connection may sit unused in the pool before it is closed, milliseconds.
+    pub upstream_idle_timeout_ms: u64,
 }
 
 impl Default for GatewayConfig {
@@ -134,52 +209,83 @@ impl Default for GatewayConfig {
             routing: PolicyConfig::CacheAware(Default::default()),
             health: HealthConfig::default(),
             load: LoadConfig::default(),
+            server: ServerConfig::default(),
             max_body_bytes: 64 << 20,
             admin_key: None,
             allow_client_overrides: true,
             retries: 2,
             connect_timeout_ms: 2000,
+            first_byte_timeout_ms: 300_000,
+            stream_idle_timeout_ms: 300_000,
+            upstream_idle_timeout_ms: 30_000,
         }
     }
 }
 
+/// A config that cannot be used. The cause is part of the message, not a `source`, so an error chain prints it once.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read config {path}: {source}")]
-    Read { path: String, source: std::io::Error },
-    #[error("invalid config {path}: {source}")]
-    Parse { path: String, source: toml::de::Error },
+    #[error("cannot read config {path}: {error}")]
+    Read { path: String, error: std::io::Error },
+    #[error("invalid config {path}: {error}")]
+    Parse { path: String, error: toml::de::Error },
     #[error("invalid config: {0}")]
     Invalid(String),
 }
 
 impl GatewayConfig {
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: path.display().to_string(),
-            source,
+            error,
         })?;
         Self::from_toml(&text).map_err(|e| match e {
-            ConfigError::Parse { source, .. } => ConfigError::Parse {
+            ConfigError::Parse { error, .. } => ConfigError::Parse {
                 path: path.display().to_string(),
-                source,
+                error,
             },
             other => other,
         })
     }
 
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let config: Self = toml::from_str(text).map_err(|source| ConfigError::Parse {
+        let config: Self = toml::from_str(text).map_err(|error| ConfigError::Parse {
             path: "<text>".into(),
-            source,
+            error,
         })?;
         config.validate()?;
         Ok(config)
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut urls = std::collections::HashSet::new();
         for w in &self.workers {
             validate_worker(w)?;
+            if !urls.insert(worker_url_key(&w.url)) {
+                return Err(ConfigError::Invalid(format!("worker `{}` is listed twice", w.url)));
+            }
+        }
+        self.routing
+            .validate()
+            .map_err(|e| ConfigError::Invalid(format!("routing: {e}")))?;
+        if self.max_body_bytes == 0 {
+            return Err(ConfigError::Invalid("max_body_bytes must be at least 1".into()));
+        }
+        if let Some(key) = &self.admin_key {
+            if key.trim().is_empty() {
+                return Err(ConfigError::Invalid(
+                    "admin_key must not be empty: set a secret, or leave admin_key out (admin routes then answer \
+                     loopback clients only)"
+                        .into(),
+                ));
+            }
+            if key.trim() != key || !key.chars().all(|c| c == ' ' || c.is_ascii_graphic()) {
+                return Err(ConfigError::Invalid(
+                    "admin_key must be printable ASCII with no leading or trailing space (it travels in an HTTP \
+                     header)"
+                        .into(),
+                ));
+            }
         }
         if self.health.failure_threshold == 0 || self.health.success_threshold == 0 {
             return Err(ConfigError::Invalid("health thresholds must be at least 1".into()));
@@ -189,12 +295,55 @@ impl GatewayConfig {
                 "health.passive_failure_threshold must be at least 1".into(),
             ));
         }
+        let h = &self.health;
+        if h.base_ejection_ms == 0 || h.max_ejection_ms < h.base_ejection_ms {
+            return Err(ConfigError::Invalid(
+                "health.base_ejection_ms must be positive and at most health.max_ejection_ms".into(),
+            ));
+        }
+        if h.max_ejection_percent > 100 || h.panic_threshold_percent > 100 {
+            return Err(ConfigError::Invalid(
+                "health.max_ejection_percent and health.panic_threshold_percent are percentages (0 to 100)".into(),
+            ));
+        }
+        if [
+            self.connect_timeout_ms,
+            self.first_byte_timeout_ms,
+            self.stream_idle_timeout_ms,
+            self.upstream_idle_timeout_ms,
+        ]
+        .contains(&0)
+        {
+            return Err(ConfigError::Invalid(
+                "connect_timeout_ms, first_byte_timeout_ms, stream_idle_timeout_ms and upstream_idle_timeout_ms must be positive"
+                    .into(),
+            ));
+        }
         if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
             return Err(ConfigError::Invalid(
                 "health.interval_ms and health.timeout_ms must be positive".into(),
             ));
         }
+        self.server.validate()?;
         Ok(())
+    }
+}
+
+/// The most data-parallel ranks one worker may have (configured, added at run time, or reported by SGLang): each
+/// rank is an endpoint with its own load counters, so an absurd count must not allocate.
+pub const MAX_DP_SIZE: u32 = 1024;
+
+/// The form in which two worker URLs are compared: host lowercase, the port explicit, no trailing slash.
+pub fn worker_url_key(url: &str) -> String {
+    match url.trim().parse::<hyper::Uri>() {
+        Ok(uri) if uri.host().is_some() => {
+            let host = uri.host().unwrap_or_default().to_ascii_lowercase();
+            let port = uri.port_u16().unwrap_or(80);
+            let path = uri.path().trim_end_matches('/');
+            let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
+            format!("http://{host}:{port}{path}{query}")
+        }
+        _ => url.trim().trim_end_matches('/').to_string(),
     }
 }
 
@@ -210,9 +359,9 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
             w.url
         )));
     }
-    if w.dp_size == Some(0) {
+    if let Some(n) = w.dp_size.filter(|n| !(1..=MAX_DP_SIZE).contains(n)) {
         return Err(ConfigError::Invalid(format!(
-            "worker `{}`: dp_size must be at least 1",
+            "worker `{}`: dp_size must be between 1 and {MAX_DP_SIZE}, got {n}",
             w.url
         )));
     }
@@ -302,6 +451,93 @@ mod tests {
     }
 
     #[test]
+    fn senseless_values_are_errors_naming_the_field() {
+        for (text, needle) in [
+            ("max_body_bytes = 0", "max_body_bytes"),
+            ("admin_key = \"\"", "admin_key"),
+            ("admin_key = \"  \"", "admin_key"),
+            ("admin_key = \" k\"", "admin_key"),
+            ("admin_key = \"k\\n\"", "admin_key"),
+            ("[routing]\npolicy = \"cache_aware\"\nblock_tokens = 0", "block_tokens"),
+            (
+                "[routing]\npolicy = \"cache_aware\"\nprefill_tokens_per_s = 0",
+                "prefill_tokens_per_s",
+            ),
+            (
+                "[routing]\npolicy = \"cache_aware\"\nprefill_tokens_per_s = inf",
+                "prefill_tokens_per_s",
+            ),
+            ("[routing]\npolicy = \"cache_aware\"\nbase_ms = -1", "base_ms"),
+            ("[routing]\npolicy = \"prefix_affinity\"\nepsilon = -0.5", "epsilon"),
+            ("[routing]\npolicy = \"prefix_affinity\"\nepsilon = nan", "epsilon"),
+            (
+                "[routing]\npolicy = \"prefix_match\"\nwindow_tokens = 0",
+                "window_tokens",
+            ),
+            ("[[workers]]\nurl = \"http://x:1\"\ndp_size = 4294967295", "dp_size"),
+            ("[[workers]]\nurl = \"http://x:1\"\ndp_size = 1025", "dp_size"),
+            (
+                "[[workers]]\nurl = \"http://x:1\"\n[[workers]]\nurl = \"http://X:1/\"",
+                "listed twice",
+            ),
+        ] {
+            let err = GatewayConfig::from_toml(text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{text}: {err}");
+        }
+        let config = |f: fn(&mut GatewayConfig)| {
+            let mut c = GatewayConfig::default();
+            f(&mut c);
+            c.validate().map_err(|e| e.to_string())
+        };
+        assert!(config(|_| {}).is_ok());
+        assert!(config(|c| c.admin_key = Some("s3cret key-1".into())).is_ok());
+        assert!(config(|c| c.workers.push(WorkerConfig {
+            url: "http://x:1".into(),
+            backend: Backend::Vllm,
+            dp_size: Some(MAX_DP_SIZE),
+            rank_field: RankField::default(),
+        }))
+        .is_ok());
+        // A config built in code (the command line's flags) gets the same checks.
+        let err = config(|c| {
+            c.routing = PolicyConfig::CacheAware(dprouter_core::policy::CacheAwareConfig {
+                block_tokens: 0,
+                ..Default::default()
+            })
+        })
+        .unwrap_err();
+        assert!(err.contains("block_tokens"), "{err}");
+        assert!(config(|c| c.admin_key = Some(String::new()))
+            .unwrap_err()
+            .contains("admin_key"));
+    }
+
+    #[test]
+    fn worker_urls_compare_normalized() {
+        for (a, b) in [
+            ("http://h:1", "http://h:1/"),
+            ("http://H:1", "http://h:1"),
+            ("http://h", "http://h:80"),
+            ("http://h:1/v/", "http://h:1/v"),
+        ] {
+            assert_eq!(worker_url_key(a), worker_url_key(b), "{a} {b}");
+        }
+        assert_ne!(worker_url_key("http://h:1"), worker_url_key("http://h:2"));
+        assert_ne!(worker_url_key("http://h:1/a"), worker_url_key("http://h:1/b"));
+    }
+
+    #[test]
+    fn a_config_error_prints_its_cause_once() {
+        let errors = [
+            GatewayConfig::from_file(Path::new("/nonexistent/dprouter.toml")).unwrap_err(),
+            GatewayConfig::from_toml("listn = 1").unwrap_err(),
+        ];
+        for err in errors {
+            assert!(std::error::Error::source(&err).is_none(), "{err}");
+        }
+    }
+
+    #[test]
     fn unknown_fields_and_policies_are_errors() {
         for (text, needle) in [
             ("[routing]\npolicy = \"fastest\"", "fastest"),
@@ -310,6 +546,9 @@ mod tests {
             ("[[workers]]\nurl = \"ftp://x:1\"", "http://host:port"),
             ("[[workers]]\nurl = \"http://x:1\"\ndp_size = 0", "dp_size"),
             ("[health]\nfailure_threshold = 0", "thresholds"),
+            ("[server]\nidle_timeout_ms = 0", "server.idle_timeout_ms"),
+            ("[server]\nmax_in_flight = 0", "server.max_in_flight"),
+            ("[server]\nmax_conections = 9", "max_conections"),
         ] {
             let err = GatewayConfig::from_toml(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");

@@ -14,16 +14,30 @@ pub enum ApiError {
     BadRequest(String),
     #[error("request body is larger than the limit of {limit} bytes")]
     TooLarge { limit: usize },
+    #[error("the request body did not arrive within {after_ms} ms")]
+    BodyTimeout { after_ms: u64 },
     #[error("unsupported content type `{0}`: send application/json")]
     UnsupportedMediaType(String),
+    #[error("method {0} is not allowed here")]
+    MethodNotAllowed(String),
+    #[error("the request URI is longer than {0} bytes")]
+    UriTooLong(usize),
+    #[error("{0}")]
+    HeadersTooLarge(String),
     #[error("{0}")]
     NotFound(String),
     #[error("missing or wrong admin key")]
     Unauthorized,
+    #[error("{0}")]
+    Forbidden(String),
+    #[error("{0}")]
+    Conflict(String),
     #[error(transparent)]
     Route(#[from] RouteError),
     #[error("upstream {endpoint} failed: {message}")]
     Upstream { endpoint: String, message: String },
+    #[error("upstream {endpoint} sent no response within {after_ms} ms")]
+    UpstreamTimeout { endpoint: String, after_ms: u64 },
     #[error("{0}")]
     Unavailable(String),
 }
@@ -39,23 +53,36 @@ impl ApiError {
         match self {
             ApiError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
+            ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Route(e) if e.is_client_error() => StatusCode::BAD_REQUEST,
             ApiError::Route(_) | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
     }
 
     fn kind(&self) -> &'static str {
         match self.status() {
-            StatusCode::BAD_REQUEST | StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNSUPPORTED_MEDIA_TYPE => {
-                "invalid_request_error"
-            }
+            StatusCode::BAD_REQUEST
+            | StatusCode::REQUEST_TIMEOUT
+            | StatusCode::PAYLOAD_TOO_LARGE
+            | StatusCode::UNSUPPORTED_MEDIA_TYPE
+            | StatusCode::METHOD_NOT_ALLOWED
+            | StatusCode::URI_TOO_LONG
+            | StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => "invalid_request_error",
             StatusCode::NOT_FOUND => "not_found_error",
             StatusCode::UNAUTHORIZED => "authentication_error",
-            StatusCode::BAD_GATEWAY => "upstream_error",
+            StatusCode::FORBIDDEN => "permission_error",
+            StatusCode::CONFLICT => "conflict_error",
+            StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => "upstream_error",
             _ => "service_unavailable_error",
         }
     }
@@ -81,6 +108,7 @@ mod tests {
         let cases = [
             (ApiError::BadRequest("x".into()), 400, "invalid_request_error"),
             (ApiError::TooLarge { limit: 10 }, 413, "invalid_request_error"),
+            (ApiError::BodyTimeout { after_ms: 10 }, 408, "invalid_request_error"),
             (
                 ApiError::UnsupportedMediaType("text/plain".into()),
                 415,
@@ -88,6 +116,8 @@ mod tests {
             ),
             (ApiError::NotFound("x".into()), 404, "not_found_error"),
             (ApiError::Unauthorized, 401, "authentication_error"),
+            (ApiError::Forbidden("x".into()), 403, "permission_error"),
+            (ApiError::Conflict("x".into()), 409, "conflict_error"),
             (
                 RouteError::OverrideOutOfRange { rank: 9, size: 4 }.into(),
                 400,

@@ -1,4 +1,6 @@
-//! Background work, owned by the supervisor: active health probes and SGLang load polling.
+//! Background work, owned by the supervisor: active health probes (on their interval, and at once when a request
+//! failure asks for one), the outlier-ejection sweep, and SGLang load polling. Health itself is decided in
+//! [`crate::registry`].
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +16,13 @@ use crate::state::AppState;
 
 /// Starts the background tasks; they stop when `stop` turns true.
 pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
-    let mut tasks = vec![tokio::spawn(probe_loop(Arc::clone(&state), stop.clone()))];
+    let mut tasks = vec![
+        tokio::spawn(probe_loop(Arc::clone(&state), stop.clone())),
+        tokio::spawn(sweep_loop(Arc::clone(&state), stop.clone())),
+    ];
+    if !state.pending_workers().is_empty() {
+        tasks.push(tokio::spawn(pending_loop(Arc::clone(&state), stop.clone())));
+    }
     if state.config.load.poll_interval_ms > 0 {
         tasks.push(tokio::spawn(load_loop(state, stop)));
     }
@@ -40,18 +48,51 @@ where
     }
 }
 
-async fn probe_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
+/// Probes every worker each `interval_ms`, and at once when a failed request asks for it.
+async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
     let health = state.config.health.clone();
     let timeout = Duration::from_millis(health.timeout_ms);
-    every(Duration::from_millis(health.interval_ms), stop, || {
-        let state = Arc::clone(&state);
-        async move {
-            let workers = state.registry.workers();
-            let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
-            for (w, ok) in workers.iter().zip(results) {
-                state.registry.record_probe(w.id, ok);
-            }
+    let mut ticker = tokio::time::interval(Duration::from_millis(health.interval_ms));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            () = state.registry.probe_requested() => {}
+            _ = stop.changed() => return,
         }
+        if *stop.borrow() {
+            return;
+        }
+        let workers = state.registry.workers();
+        let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
+        for (w, ok) in workers.iter().zip(results) {
+            state.registry.record_probe(w.id, ok);
+        }
+    }
+}
+
+/// Discovers the workers that were down at start, each probe interval, until none is left.
+async fn pending_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
+    let mut ticker = tokio::time::interval(Duration::from_millis(state.config.health.interval_ms));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = ticker.tick() => {}
+            _ = stop.changed() => return,
+        }
+        if *stop.borrow() || state.add_pending_workers().await == 0 {
+            return;
+        }
+    }
+}
+
+/// How often ejections are checked for their end: a small fraction of the shortest ejection.
+const SWEEP_INTERVAL: Duration = Duration::from_millis(100);
+
+async fn sweep_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
+    every(SWEEP_INTERVAL, stop, || {
+        state.registry.sweep(std::time::Instant::now());
+        std::future::ready(())
     })
     .await;
 }

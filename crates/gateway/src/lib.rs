@@ -9,6 +9,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod listener;
 pub mod proxy;
 pub mod registry;
 pub mod server;

@@ -5,7 +5,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
@@ -17,7 +17,7 @@ use dprouter_core::{dispatch, Branch, Dispatch, RouteRequest};
 use http_body_util::{BodyExt, Full, Limited};
 use serde_json::{Map, Value};
 
-use crate::body::{GuardedBody, Observer};
+use crate::body::{GuardedBody, Observer, Timing};
 use crate::config::Backend;
 use crate::error::ApiError;
 use crate::registry::{Failure, Membership, Target};
@@ -31,12 +31,8 @@ const VLLM_RANK_HEADER: &str = "x-data-parallel-rank";
 const OVERRIDE_FIELDS: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
 
 /// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here).
-const FORWARDED_HEADERS: [HeaderName; 4] = [
-    header::AUTHORIZATION,
-    header::ACCEPT,
-    header::USER_AGENT,
-    header::ACCEPT_ENCODING,
-];
+/// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
+const FORWARDED_HEADERS: [HeaderName; 3] = [header::AUTHORIZATION, header::ACCEPT, header::USER_AGENT];
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
 pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> Response {
@@ -56,7 +52,8 @@ struct Parsed {
 async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
-        if !ct.starts_with("application/json") {
+        let essence = ct.split(';').next().unwrap_or("").trim();
+        if essence != "application/json" {
             return Err(ApiError::UnsupportedMediaType(ct));
         }
     }
@@ -68,7 +65,15 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::TooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
+    // A client that declares more than it sends would hold the request (and its connection) open forever.
+    let after_ms = state.config.server.request_body_timeout_ms;
+    let collected = tokio::time::timeout(
+        std::time::Duration::from_millis(after_ms),
+        Limited::new(body, limit).collect(),
+    )
+    .await
+    .map_err(|_| ApiError::BodyTimeout { after_ms })?;
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::TooLarge { limit }),
         Err(e) => Err(ApiError::BadRequest(format!("could not read the request body: {e}"))),
@@ -76,19 +81,23 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
 }
 
 fn parse(state: &AppState, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed, ApiError> {
-    let value: Value = serde_json::from_slice(bytes)
+    let mut value: Value = serde_json::from_slice(bytes)
         .map_err(|e| ApiError::BadRequest(format!("the request body is not valid JSON: {e}")))?;
+    let allow_overrides = state.config.allow_client_overrides;
+    if let (false, Value::Object(body)) = (allow_overrides, &mut value) {
+        // Ignored, whatever they hold: the worker gets the rank the gateway chose.
+        for field in OVERRIDE_FIELDS {
+            body.remove(field);
+        }
+    }
     let mut route = parse_request(&value)?;
     let Value::Object(mut body) = value else {
         return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
     };
-    if let Some(h) = headers.get(RANK_HEADER) {
+    if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
         let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());
         route.rank_override =
             Some(rank.ok_or_else(|| ApiError::BadRequest("X-Data-Parallel-Rank must be an integer".into()))?);
-    }
-    if !state.config.allow_client_overrides {
-        route.rank_override = None;
     }
     // The gateway consumes the client's override; the worker gets the rank the gateway chose.
     for field in OVERRIDE_FIELDS {
@@ -162,6 +171,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     let bytes = read_body(state, &parts.headers, body).await?;
     let mut parsed = parse(state, &parts.headers, &bytes)?;
     drop(bytes);
+    let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
     let mut excluded = HashSet::new();
     let mut attempt = 0;
@@ -171,31 +181,52 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         let target = &membership.targets[dispatched.pick.rank];
         let label = target.label();
         let upstream = upstream_request(target, &path_and_query, &parts.headers, &mut parsed.body)?;
-        match state.upstream.send(upstream).await {
+        let timing = Timing {
+            received,
+            first_byte: tokio::time::Instant::now() + first_byte_timeout,
+            idle: Duration::from_millis(state.config.stream_idle_timeout_ms),
+        };
+        let sent = tokio::time::timeout_at(timing.first_byte, state.upstream.send(upstream)).await;
+        let Ok(sent) = sent else {
+            // The engine took the request and said nothing in time: it may still be working on it, so no retry.
+            metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout")
+                .increment(1);
+            tracing::warn!(endpoint = %label, "no response head within {first_byte_timeout:?}");
+            state
+                .registry
+                .record_failure(target.id, Failure::Engine, Instant::now());
+            return Err(ApiError::UpstreamTimeout {
+                endpoint: label,
+                after_ms: first_byte_timeout.as_millis() as u64,
+            });
+        };
+        match sent {
             Ok(response) => {
                 let status = response.status();
                 if status.is_server_error() {
                     metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "status_5xx")
                         .increment(1);
-                    state.registry.record_failure(target.id, Failure::Server);
+                    state
+                        .registry
+                        .record_failure(target.id, Failure::Engine, Instant::now());
                 } else if status.is_success() {
                     state.registry.record_success(target.id);
                 }
-                return Ok(relay(state, response, dispatched, target, parsed.route, received));
+                return Ok(relay(state, response, dispatched, target, parsed.route, timing));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
                 let kind = if err.is_connect() { "connect" } else { "server" };
                 metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
                 tracing::warn!(endpoint = %label, error = %message, "upstream request failed");
-                state.registry.record_failure(
-                    target.id,
-                    if err.is_connect() {
-                        Failure::Connect
-                    } else {
-                        Failure::Server
-                    },
-                );
+                // A connection that broke after the request was sent may be this request's own fault (an engine
+                // refusing its body by closing the connection): it asks for a probe but does not count.
+                let failure = if err.is_connect() {
+                    Failure::Connect
+                } else {
+                    Failure::Ambiguous
+                };
+                state.registry.record_failure(target.id, failure, Instant::now());
                 // Only a connection that was never made is safe to retry, and never a pinned request.
                 let retry =
                     err.is_connect() && dispatched.pick.branch != Branch::Override && attempt < state.config.retries;
@@ -218,6 +249,28 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     }
 }
 
+/// The client's header that asks for a shorter first-byte timeout than the configured one.
+pub const FIRST_BYTE_TIMEOUT_HEADER: &str = "x-dprouter-first-byte-timeout-ms";
+
+/// How long to wait for the engine's response head: the configured bound, or less if the client asks.
+fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration, ApiError> {
+    let configured = state.config.first_byte_timeout_ms;
+    let asked = match headers.get(FIRST_BYTE_TIMEOUT_HEADER) {
+        None => configured,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!(
+                    "{FIRST_BYTE_TIMEOUT_HEADER} must be a positive number of milliseconds"
+                ))
+            })?,
+    };
+    Ok(Duration::from_millis(asked.min(configured)))
+}
+
 /// The client's response: the upstream status and headers, and the upstream body behind the load guard.
 fn relay(
     state: &Arc<AppState>,
@@ -225,7 +278,7 @@ fn relay(
     dispatched: Dispatch,
     target: &Target,
     route: RouteRequest,
-    received: Instant,
+    timing: Timing,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
     let sse = parts
@@ -241,13 +294,21 @@ fn relay(
         target.id,
         Arc::clone(&state.registry),
         observer,
-        received,
         sse,
+        timing,
     );
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
+    let named_by_connection: Vec<String> = parts
+        .headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|n| n.trim().to_ascii_lowercase())
+        .collect();
     for (name, value) in &parts.headers {
-        if !is_hop_by_hop(name) {
+        if !is_hop_by_hop(name) && !named_by_connection.iter().any(|n| n == name.as_str()) {
             out.headers_mut().append(name.clone(), value.clone());
         }
     }
@@ -257,10 +318,14 @@ fn relay(
     out
 }
 
+/// Response headers the client never gets from a worker: hop-by-hop ones (RFC 9110 §7.6.1; the length is the
+/// gateway's own framing) and cookies, which a worker has no business setting on the gateway's origin.
 fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
-        "connection"
+        "set-cookie"
+            | "set-cookie2"
+            | "connection"
             | "keep-alive"
             | "proxy-connection"
             | "transfer-encoding"

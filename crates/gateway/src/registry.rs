@@ -5,17 +5,30 @@
 //! client's rank override names). Each endpoint keeps one `Arc<EndpointLoad>` for its whole life, so in-flight
 //! accounting survives snapshot rebuilds.
 //!
-//! Health is decided here and only here. An endpoint is routable when its worker passes active checks and the
-//! endpoint itself is not passively marked down. A refused connection marks the whole worker down at once; 5xx
-//! answers count against one endpoint until `passive_failure_threshold` in a row; 4xx never count. A worker comes
-//! back (all its endpoints) after `success_threshold` successful probes in a row. Every change rebuilds the
-//! [`Membership`] (O(endpoints)) and swaps it atomically; routing reads it without locks.
+//! Health is decided here and only here, in two layers (Envoy's active health checking and outlier detection):
+//! - **Active**: a worker is down after `failure_threshold` failed `GET /health` probes in a row, or after one when
+//!   a request just failed to connect to it or lost its connection (a probe is asked for at once then), and back
+//!   after `success_threshold` good probes. It takes all its endpoints with it.
+//! - **Passive, per endpoint**: `passive_failure_threshold` failures in a row (5xx answers, refused connections,
+//!   broken streams, first-byte timeouts) eject the endpoint for `base_ejection_ms · 2^(n−1)` (at most
+//!   `max_ejection_ms`), `n` counting its ejections in a row; once back it is on probation (one failure ejects it
+//!   again) until `n` decays, by one per `base_ejection_ms` spent routable. An ejection that would put more than
+//!   `max_ejection_percent` of all endpoints out (at least one may always be) does not happen. A request's own
+//!   fault never counts: 4xx answers, client disconnects, and exchanges that broke after the request was sent
+//!   without an answer (the engine may have refused that request's body), which only ask for a probe.
+//! - **Panic**: when fewer than `panic_threshold_percent` of the endpoints of workers that pass their probes are
+//!   routable, ejections are ignored and requests route across all of them.
+//!
+//! Every change rebuilds the [`Membership`] (O(endpoints)) and swaps it atomically; routing reads it without locks.
+//! Time is passed in (`now`), so tests drive it.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use dprouter_core::{Endpoint, EndpointId, EndpointLoad, Snapshot, WorkerId};
+use tokio::sync::Notify;
 
 use crate::config::{Backend, HealthConfig, RankField, WorkerConfig};
 use crate::upstream::WorkerInfo;
@@ -42,19 +55,42 @@ impl Target {
 pub struct Membership {
     pub snapshot: Snapshot,
     pub targets: Vec<Target>,
+    /// Too few endpoints were routable: ejections are ignored in this snapshot.
+    pub panic: bool,
+}
+
+/// One endpoint's outlier-detection state.
+#[derive(Debug, Default, Clone, Copy)]
+struct Outlier {
+    /// Failures in a row.
+    consecutive: u32,
+    /// Ejections in a row: the back-off exponent, decaying while the endpoint stays routable.
+    ejections: u32,
+    ejected_until: Option<Instant>,
+    /// When `ejections` last changed.
+    since: Option<Instant>,
 }
 
 #[derive(Debug)]
 pub struct EndpointState {
     pub id: EndpointId,
     pub load: Arc<EndpointLoad>,
-    passive_failures: AtomicU32,
-    passive_down: AtomicBool,
+    outlier: Mutex<Outlier>,
 }
 
 impl EndpointState {
-    pub fn passive_down(&self) -> bool {
-        self.passive_down.load(Relaxed)
+    fn outlier(&self) -> MutexGuard<'_, Outlier> {
+        self.outlier.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Ejected by outlier detection (until the next sweep past its deadline).
+    pub fn ejected(&self) -> bool {
+        self.outlier().ejected_until.is_some()
+    }
+
+    /// Its ejections in a row (0: in good standing).
+    pub fn ejections(&self) -> u32 {
+        self.outlier().ejections
     }
 }
 
@@ -68,6 +104,8 @@ pub struct WorkerState {
     pub kv_capacity: Option<u64>,
     pub endpoints: Vec<EndpointState>,
     active_healthy: AtomicBool,
+    /// A request failed to reach it since its last probe: one failed probe confirms it is down.
+    suspect: AtomicBool,
     probe_failures: AtomicU32,
     probe_successes: AtomicU32,
 }
@@ -78,17 +116,20 @@ impl WorkerState {
     }
 
     pub fn endpoint_healthy(&self, e: &EndpointState) -> bool {
-        self.active_healthy() && !e.passive_down()
+        self.active_healthy() && !e.ejected()
     }
 }
 
 /// What went wrong talking to an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Failure {
-    /// The connection could not be made: the worker is down.
+    /// The connection could not be made. Counts against the endpoint and asks for a probe of its worker.
     Connect,
-    /// A 5xx answer or a broken response.
-    Server,
+    /// The engine answered 5xx, broke a stream mid-way, or sent nothing before the first-byte timeout.
+    Engine,
+    /// The exchange broke after the request was sent and before any answer (a reset, a closed connection): the
+    /// engine may have refused this request (a body too large for it) or died. Does not count; asks for a probe.
+    Ambiguous,
 }
 
 pub struct Registry {
@@ -96,6 +137,8 @@ pub struct Registry {
     next_worker: AtomicU32,
     membership: ArcSwap<Membership>,
     health: HealthConfig,
+    /// Woken when a worker should be probed now (see [`Failure`]).
+    probe_now: Notify,
 }
 
 impl Registry {
@@ -105,6 +148,7 @@ impl Registry {
             next_worker: AtomicU32::new(0),
             membership: ArcSwap::from_pointee(Membership::default()),
             health,
+            probe_now: Notify::new(),
         }
     }
 
@@ -126,6 +170,11 @@ impl Registry {
         self.lock().iter().filter(|w| w.backend == backend).cloned().collect()
     }
 
+    /// Completes when a request failure asks for a probe round now.
+    pub async fn probe_requested(&self) {
+        self.probe_now.notified().await;
+    }
+
     /// Adds a discovered worker (healthy until proven otherwise) and returns its id.
     pub fn add_worker(&self, config: &WorkerConfig, info: WorkerInfo) -> WorkerId {
         let id = WorkerId(self.next_worker.fetch_add(1, Relaxed));
@@ -142,11 +191,11 @@ impl Registry {
                         dp_rank: rank,
                     },
                     load: Arc::new(EndpointLoad::default()),
-                    passive_failures: AtomicU32::new(0),
-                    passive_down: AtomicBool::new(false),
+                    outlier: Mutex::new(Outlier::default()),
                 })
                 .collect(),
             active_healthy: AtomicBool::new(true),
+            suspect: AtomicBool::new(false),
             probe_failures: AtomicU32::new(0),
             probe_successes: AtomicU32::new(0),
         });
@@ -174,16 +223,12 @@ impl Registry {
         let Some(w) = workers.iter().find(|w| w.id == worker) else {
             return;
         };
+        let suspect = w.suspect.swap(false, Relaxed);
         let changed = if ok {
             w.probe_failures.store(0, Relaxed);
             let streak = w.probe_successes.fetch_add(1, Relaxed) + 1;
-            let passive = w.endpoints.iter().any(EndpointState::passive_down);
-            if streak >= self.health.success_threshold && (!w.active_healthy() || passive) {
+            if streak >= self.health.success_threshold && !w.active_healthy() {
                 w.active_healthy.store(true, Relaxed);
-                for e in &w.endpoints {
-                    e.passive_down.store(false, Relaxed);
-                    e.passive_failures.store(0, Relaxed);
-                }
                 tracing::info!(worker = %w.url, "worker healthy");
                 true
             } else {
@@ -192,7 +237,7 @@ impl Registry {
         } else {
             w.probe_successes.store(0, Relaxed);
             let streak = w.probe_failures.fetch_add(1, Relaxed) + 1;
-            if streak >= self.health.failure_threshold && w.active_healthy() {
+            if (streak >= self.health.failure_threshold || suspect) && w.active_healthy() {
                 w.active_healthy.store(false, Relaxed);
                 tracing::warn!(worker = %w.url, "worker failed {streak} health checks: marked down");
                 true
@@ -205,40 +250,61 @@ impl Registry {
         }
     }
 
-    /// Records a failed request to `endpoint` (passive health).
-    pub fn record_failure(&self, endpoint: EndpointId, failure: Failure) {
+    /// Records a failed request to `endpoint` at `now` (passive health).
+    pub fn record_failure(&self, endpoint: EndpointId, failure: Failure, now: Instant) {
         let workers = self.lock();
         let Some(w) = workers.iter().find(|w| w.id == endpoint.worker) else {
             return;
         };
-        w.probe_successes.store(0, Relaxed);
-        let changed = match failure {
-            Failure::Connect => {
-                let was = w.active_healthy.swap(false, Relaxed);
-                if was {
-                    tracing::warn!(worker = %w.url, "connection refused: worker marked down");
-                }
-                was
-            }
-            Failure::Server => {
-                let Some(e) = w.endpoints.iter().find(|e| e.id == endpoint) else {
-                    return;
-                };
-                let streak = e.passive_failures.fetch_add(1, Relaxed) + 1;
-                if streak >= self.health.passive_failure_threshold && !e.passive_down.swap(true, Relaxed) {
-                    tracing::warn!(endpoint = %endpoint, "{streak} server errors in a row: endpoint marked down");
-                    true
-                } else {
-                    false
-                }
-            }
-        };
-        if changed {
-            self.rebuild(&workers);
+        if matches!(failure, Failure::Connect | Failure::Ambiguous) {
+            w.suspect.store(true, Relaxed);
+            w.probe_successes.store(0, Relaxed);
+            self.probe_now.notify_one();
         }
+        if failure == Failure::Ambiguous {
+            return;
+        }
+        let Some(e) = w.endpoints.iter().find(|e| e.id == endpoint) else {
+            return;
+        };
+        let (total, ejected) = workers
+            .iter()
+            .flat_map(|w| &w.endpoints)
+            .fold((0usize, 0usize), |(t, j), e| (t + 1, j + usize::from(e.ejected())));
+        let allowed = (total * self.health.max_ejection_percent as usize / 100).max(1);
+        let mut o = e.outlier();
+        o.consecutive += 1;
+        // Back from an ejection, an endpoint is on probation: its next failure ejects it again.
+        let threshold = if o.ejections > 0 {
+            1
+        } else {
+            self.health.passive_failure_threshold
+        };
+        if o.ejected_until.is_some() || o.consecutive < threshold {
+            return;
+        }
+        if ejected >= allowed {
+            tracing::warn!(endpoint = %endpoint, "{} failures in a row, not ejected: {ejected} of {total} endpoints are out already",
+                           o.consecutive);
+            return;
+        }
+        o.ejections += 1;
+        let factor = 1u64 << (o.ejections - 1).min(20);
+        let length = Duration::from_millis(
+            self.health
+                .base_ejection_ms
+                .saturating_mul(factor)
+                .min(self.health.max_ejection_ms),
+        );
+        o.ejected_until = Some(now + length);
+        o.since = Some(now);
+        o.consecutive = 0;
+        tracing::warn!(endpoint = %endpoint, ejections = o.ejections, "endpoint ejected for {length:?}");
+        drop(o);
+        self.rebuild(&workers);
     }
 
-    /// Records a successful answer from `endpoint`: its run of server errors ends.
+    /// Records a successful answer from `endpoint`: its run of failures ends.
     pub fn record_success(&self, endpoint: EndpointId) {
         let workers = self.lock();
         if let Some(e) = workers
@@ -246,18 +312,48 @@ impl Registry {
             .find(|w| w.id == endpoint.worker)
             .and_then(|w| w.endpoints.iter().find(|e| e.id == endpoint))
         {
-            e.passive_failures.store(0, Relaxed);
+            e.outlier().consecutive = 0;
+        }
+    }
+
+    /// Re-admits endpoints whose ejection ended by `now` and decays the back-off of those in good standing.
+    pub fn sweep(&self, now: Instant) {
+        let workers = self.lock();
+        let base = Duration::from_millis(self.health.base_ejection_ms);
+        let mut changed = false;
+        for e in workers.iter().flat_map(|w| &w.endpoints) {
+            let mut o = e.outlier();
+            match (o.ejected_until, o.since) {
+                (Some(until), _) if until <= now => {
+                    o.ejected_until = None;
+                    o.since = Some(now);
+                    changed = true;
+                    tracing::info!(endpoint = %e.id, "endpoint back from ejection, on probation");
+                }
+                (None, Some(since)) if o.ejections > 0 && now.saturating_duration_since(since) >= base => {
+                    o.ejections -= 1;
+                    o.since = Some(now);
+                }
+                _ => {}
+            }
+        }
+        if changed {
+            self.rebuild(&workers);
         }
     }
 
     fn rebuild(&self, workers: &[Arc<WorkerState>]) {
         let mut endpoints = Vec::new();
         let mut targets = Vec::new();
+        let (mut active, mut routable) = (0usize, 0usize);
         for w in workers {
             for e in &w.endpoints {
+                let healthy = w.endpoint_healthy(e);
+                active += usize::from(w.active_healthy());
+                routable += usize::from(healthy);
                 endpoints.push(Endpoint {
                     id: e.id,
-                    healthy: w.endpoint_healthy(e),
+                    healthy,
                     load: Arc::clone(&e.load),
                     kv_capacity: w.kv_capacity,
                 });
@@ -269,9 +365,28 @@ impl Registry {
                 });
             }
         }
+        let panic = routable * 100 < active * self.health.panic_threshold_percent as usize;
+        if panic {
+            // Ejections are guesses; probes are not: route across every endpoint of a worker that answers them.
+            let mut i = 0;
+            for w in workers {
+                for _ in &w.endpoints {
+                    endpoints[i].healthy = w.active_healthy();
+                    i += 1;
+                }
+            }
+        }
+        if panic != self.membership.load().panic {
+            if panic {
+                tracing::warn!("panic mode: {routable} of {active} endpoints routable, ejections ignored");
+            } else {
+                tracing::info!("panic mode over: {routable} of {active} endpoints routable");
+            }
+        }
         self.membership.store(Arc::new(Membership {
             snapshot: Snapshot::new(endpoints),
             targets,
+            panic,
         }));
     }
 }
@@ -315,14 +430,26 @@ mod tests {
         assert_eq!(r.membership().snapshot.len(), 3);
     }
 
-    #[test]
-    fn probes_and_passive_failures_change_health() {
-        let r = Registry::new(HealthConfig {
+    fn config(threshold: u32) -> HealthConfig {
+        HealthConfig {
             failure_threshold: 2,
             success_threshold: 2,
-            passive_failure_threshold: 2,
+            passive_failure_threshold: threshold,
+            base_ejection_ms: 1000,
+            max_ejection_ms: 4000,
+            max_ejection_percent: 100,
+            panic_threshold_percent: 0,
             ..HealthConfig::default()
-        });
+        }
+    }
+
+    fn ep(worker: WorkerId, dp_rank: u32) -> EndpointId {
+        EndpointId { worker, dp_rank }
+    }
+
+    #[test]
+    fn probes_change_worker_health() {
+        let r = Registry::new(config(2));
         let w = r.add_worker(&worker("http://a:1"), info(2));
         r.record_probe(w, false);
         assert_eq!(healthy(&r), vec![0, 1], "one failed probe is not enough");
@@ -332,27 +459,141 @@ mod tests {
         assert!(healthy(&r).is_empty());
         r.record_probe(w, true);
         assert_eq!(healthy(&r), vec![0, 1]);
+    }
 
-        let e1 = EndpointId { worker: w, dp_rank: 1 };
-        r.record_failure(e1, Failure::Server);
-        r.record_success(e1);
-        r.record_failure(e1, Failure::Server);
+    #[test]
+    fn failures_eject_one_endpoint_with_doubling_back_off_and_time_readmits_it() {
+        let r = Registry::new(config(2));
+        let w = r.add_worker(&worker("http://a:1"), info(2));
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        r.record_failure(ep(w, 1), Failure::Engine, t0);
+        r.record_success(ep(w, 1));
+        r.record_failure(ep(w, 1), Failure::Engine, t0);
         assert_eq!(healthy(&r), vec![0, 1], "a success ends the run");
-        r.record_failure(e1, Failure::Server);
-        assert_eq!(healthy(&r), vec![0]);
-        r.record_failure(EndpointId { worker: w, dp_rank: 0 }, Failure::Connect);
-        assert!(healthy(&r).is_empty(), "a refused connection takes the worker down");
+        r.record_failure(ep(w, 1), Failure::Engine, t0);
+        assert_eq!(healthy(&r), vec![0], "two in a row eject it, and only it");
         r.record_probe(w, true);
+        r.record_probe(w, true);
+        assert_eq!(
+            healthy(&r),
+            vec![0],
+            "good probes of the worker do not re-admit an ejected endpoint"
+        );
+        r.sweep(ms(999));
+        assert_eq!(healthy(&r), vec![0]);
+        r.sweep(ms(1000));
+        assert_eq!(healthy(&r), vec![0, 1], "back after the base ejection time");
+        // On probation: one failure ejects it again, for twice as long, then four times, capped at the maximum.
+        let mut at = 1000;
+        for length in [2000, 4000, 4000] {
+            r.record_failure(ep(w, 1), Failure::Engine, ms(at));
+            assert_eq!(healthy(&r), vec![0]);
+            r.sweep(ms(at + length - 1));
+            assert_eq!(healthy(&r), vec![0], "ejected for {length} ms");
+            at += length;
+            r.sweep(ms(at));
+            assert_eq!(healthy(&r), vec![0, 1]);
+        }
+        // Routable long enough, the back-off decays one step per base ejection time, probation ends with it.
+        assert_eq!(r.workers()[0].endpoints[1].ejections(), 4);
+        for step in 1..=4 {
+            r.sweep(ms(at + 1000 * step));
+        }
+        assert_eq!(r.workers()[0].endpoints[1].ejections(), 0);
+        r.record_failure(ep(w, 1), Failure::Engine, ms(at + 5000));
+        assert_eq!(
+            healthy(&r),
+            vec![0, 1],
+            "in good standing again: one failure is not enough"
+        );
+    }
+
+    #[test]
+    fn at_most_max_ejection_percent_is_ejected() {
+        let r = Registry::new(HealthConfig {
+            max_ejection_percent: 50,
+            ..config(1)
+        });
+        let w = r.add_worker(&worker("http://a:1"), info(4));
+        let now = Instant::now();
+        for rank in 0..4 {
+            r.record_failure(ep(w, rank), Failure::Engine, now);
+        }
+        assert_eq!(healthy(&r), vec![2, 3], "half of four may be out");
+        let r = Registry::new(HealthConfig {
+            max_ejection_percent: 10,
+            ..config(1)
+        });
+        let w = r.add_worker(&worker("http://a:1"), info(2));
+        r.record_failure(ep(w, 0), Failure::Engine, now);
+        r.record_failure(ep(w, 1), Failure::Engine, now);
+        assert_eq!(healthy(&r), vec![1], "one may always be ejected");
+    }
+
+    #[test]
+    fn panic_mode_ignores_ejections_but_not_failed_probes() {
+        let r = Registry::new(HealthConfig {
+            panic_threshold_percent: 50,
+            ..config(1)
+        });
+        let a = r.add_worker(&worker("http://a:1"), info(4));
+        let b = r.add_worker(&worker("http://b:1"), info(2));
+        let now = Instant::now();
+        r.record_probe(b, false);
+        r.record_probe(b, false);
+        assert_eq!(healthy(&r), vec![0, 1, 2, 3]);
+        r.record_failure(ep(a, 0), Failure::Engine, now);
+        r.record_failure(ep(a, 1), Failure::Engine, now);
+        assert_eq!(healthy(&r), vec![2, 3], "two of four routable: not below half");
+        assert!(!r.membership().panic);
+        r.record_failure(ep(a, 2), Failure::Engine, now);
+        assert!(r.membership().panic, "one of four routable");
+        assert_eq!(
+            healthy(&r),
+            vec![0, 1, 2, 3],
+            "every endpoint of the worker that passes its probes"
+        );
+        r.sweep(now + Duration::from_millis(1000));
+        assert!(!r.membership().panic);
+        assert_eq!(healthy(&r), vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_refused_connection_takes_a_worker_down_only_when_a_probe_confirms() {
+        let r = Registry::new(config(3));
+        let w = r.add_worker(&worker("http://a:1"), info(2));
+        r.record_failure(ep(w, 0), Failure::Connect, Instant::now());
+        assert_eq!(healthy(&r), vec![0, 1], "one refused connection downs nothing");
+        r.record_probe(w, true);
+        r.record_probe(w, false);
+        assert_eq!(healthy(&r), vec![0, 1], "a good probe cleared the suspicion");
+        r.record_failure(ep(w, 1), Failure::Connect, Instant::now());
+        r.record_probe(w, false);
+        assert!(
+            healthy(&r).is_empty(),
+            "a failed probe right after it confirms the worker is down"
+        );
+    }
+
+    #[test]
+    fn a_broken_exchange_without_an_answer_never_ejects() {
+        let r = Registry::new(config(1));
+        let w = r.add_worker(&worker("http://a:1"), info(2));
+        for _ in 0..20 {
+            r.record_failure(ep(w, 0), Failure::Ambiguous, Instant::now());
+        }
+        assert_eq!(healthy(&r), vec![0, 1]);
         r.record_probe(w, true);
         assert_eq!(healthy(&r), vec![0, 1]);
     }
 
     #[test]
     fn load_counters_survive_rebuilds() {
-        let r = Registry::new(HealthConfig::default());
+        let r = Registry::new(config(1));
         let w = r.add_worker(&worker("http://a:1"), info(1));
         let before = Arc::clone(&r.membership().snapshot.endpoints()[0].load);
-        r.record_failure(EndpointId { worker: w, dp_rank: 0 }, Failure::Connect);
+        r.record_failure(EndpointId { worker: w, dp_rank: 0 }, Failure::Engine, Instant::now());
         assert!(Arc::ptr_eq(&before, &r.membership().snapshot.endpoints()[0].load));
     }
 }

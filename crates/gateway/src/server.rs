@@ -9,7 +9,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use axum::serve::ListenerExt;
 use axum::{Json, Router};
 use bytes::Bytes;
 use dprouter_core::WorkerId;
@@ -21,6 +20,7 @@ use tokio::sync::watch;
 
 use crate::config::{Backend, WorkerConfig};
 use crate::error::ApiError;
+use crate::listener::{self, InFlightLimit};
 use crate::state::AppState;
 use crate::{health, proxy, telemetry};
 
@@ -35,17 +35,26 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(proxy::generate))
         .route("/v1/completions", post(proxy::generate))
         .route("/generate", post(proxy::generate))
+        .route_layer(middleware::from_fn_with_state(
+            InFlightLimit::new(state.config.server.max_in_flight),
+            listener::limit_in_flight,
+        ))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(render_metrics))
         .merge(admin)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .method_not_allowed_fallback(|request: Request| async move {
+            ApiError::MethodNotAllowed(request.method().to_string())
+        })
+        .layer(middleware::from_fn(check_request_head))
         .layer(middleware::from_fn(count_requests))
         .with_state(state)
 }
 
-/// Serves the gateway on `listener` until `shutdown` completes, running its background tasks meanwhile.
+/// Serves the gateway on `listener` until `shutdown` completes, running its background tasks meanwhile; then drains
+/// for at most `server.drain_timeout_ms` ([`listener::run`]).
 pub async fn serve(
     listener: TcpListener,
     state: Arc<AppState>,
@@ -54,17 +63,38 @@ pub async fn serve(
     telemetry::handle();
     let (stop, stopped) = watch::channel(false);
     let tasks = health::spawn(Arc::clone(&state), stopped);
-    let listener = listener.tap_io(|tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let served = axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    let config = state.config.server.clone();
+    let served = listener::run(listener, router(state), &config, shutdown).await;
     let _ = stop.send(true);
     for task in tasks {
         let _ = task.await;
     }
     served
+}
+
+/// The longest request URI the gateway reads (nginx's default header buffer).
+pub const MAX_URI_BYTES: usize = 8 << 10;
+/// At most this many request headers (Envoy's default)...
+pub const MAX_HEADERS: usize = 100;
+/// ...and this many bytes of them (Envoy's `max_request_headers_kb` default).
+pub const MAX_HEADER_BYTES: usize = 60 << 10;
+
+/// Refuses request heads over the gateway's limits with a JSON error, before any handler runs. (hyper's own limits
+/// are set above these, so that the gateway answers first: [`crate::listener`].)
+async fn check_request_head(request: Request, next: Next) -> Response {
+    if request.uri().to_string().len() > MAX_URI_BYTES {
+        return ApiError::UriTooLong(MAX_URI_BYTES).into_response();
+    }
+    let headers = request.headers();
+    let bytes: usize = headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 4).sum();
+    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return ApiError::HeadersTooLarge(format!(
+            "request headers too large: {} headers, {bytes} bytes (at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} bytes)",
+            headers.len()
+        ))
+        .into_response();
+    }
+    next.run(request).await
 }
 
 async fn count_requests(request: Request, next: Next) -> Response {
@@ -80,22 +110,68 @@ async fn count_requests(request: Request, next: Next) -> Response {
     response
 }
 
+/// Middleware of the admin routes: [`admin_access`] with the connection's peer address.
 async fn require_admin_key(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
     request: Request,
     next: Next,
 ) -> Response {
-    if let Some(key) = &state.config.admin_key {
-        let given = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(key.as_str()) {
-            return ApiError::Unauthorized.into_response();
+    let peer = request
+        .extensions()
+        .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
+        .map(|info| info.0);
+    let allowed = admin_access(
+        state.config.admin_key.as_deref(),
+        peer,
+        headers.get(header::AUTHORIZATION),
+    );
+    match allowed {
+        Ok(()) => next.run(request).await,
+        Err(e) => {
+            tracing::debug!(peer = ?peer, error = %e, "admin request refused");
+            e.into_response()
         }
     }
-    next.run(request).await
+}
+
+/// Who may use the admin routes. With an admin key: whoever sends `Authorization: Bearer KEY` (compared in
+/// constant time), from any address; 401 otherwise. Without one: loopback clients only (an unknown peer is not
+/// loopback); 403 to the others, saying how to open the routes.
+fn admin_access(
+    admin_key: Option<&str>,
+    peer: Option<std::net::SocketAddr>,
+    authorization: Option<&axum::http::HeaderValue>,
+) -> Result<(), ApiError> {
+    match admin_key {
+        Some(key) => {
+            let given = authorization
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.split_once(' '))
+                .and_then(|(scheme, token)| scheme.eq_ignore_ascii_case("bearer").then_some(token.trim()));
+            match given {
+                Some(token) if keys_match(key, token) => Ok(()),
+                _ => Err(ApiError::Unauthorized),
+            }
+        }
+        // `to_canonical`: an IPv4 client of a dual-stack listener arrives as `::ffff:127.0.0.1`.
+        None if peer.is_some_and(|p| p.ip().to_canonical().is_loopback()) => Ok(()),
+        None => Err(ApiError::Forbidden(
+            "admin routes answer only loopback clients while no admin key is set: set admin_key in the config \
+             file (or --admin-key KEY) and send Authorization: Bearer KEY"
+                .into(),
+        )),
+    }
+}
+
+/// Compares two keys in time independent of where they differ, and of their lengths: equal-length BLAKE2b digests
+/// compared with `subtle`'s constant-time equality, no early exit.
+fn keys_match(expected: &str, given: &str) -> bool {
+    use blake2::{Blake2b512, Digest};
+    use subtle::ConstantTimeEq;
+    let expected = Blake2b512::digest(expected.as_bytes());
+    let given = Blake2b512::digest(given.as_bytes());
+    expected.as_slice().ct_eq(given.as_slice()).into()
 }
 
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
@@ -169,6 +245,8 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                         "rank": rank_of(e.id),
                         "dp_rank": e.id.dp_rank,
                         "healthy": w.endpoint_healthy(e),
+                        "ejected": e.ejected(),
+                        "ejections": e.ejections(),
                         "in_flight_requests": e.load.in_flight_requests(),
                         "in_flight_tokens": e.load.in_flight_tokens(),
                         "load_view": {"requests": view.requests, "tokens": view.tokens},
@@ -180,19 +258,47 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                    "healthy": w.active_healthy(), "endpoints": endpoints})
         })
         .collect();
-    Json(json!({"policy": state.policy.name(), "decisions": state.decisions_by_branch(), "workers": workers}))
+    Json(
+        json!({"policy": state.policy.name(), "decisions": state.decisions_by_branch(), "panic": membership.panic,
+                "workers": workers, "pending": state.pending_workers()}),
+    )
 }
 
-/// `POST /workers` with a worker config (`url`, `backend`, `dp_size`, `rank_field`).
+/// `POST /workers` with a worker config: a JSON object of `url`, `backend`, `dp_size` (1 to
+/// [`MAX_DP_SIZE`](crate::config::MAX_DP_SIZE)), `rank_field`, nothing else. 400 for an invalid one, 409 for a URL
+/// already registered, 502 when the worker cannot tell its ranks: the reason (refused, timed out, …) goes to the log
+/// only, so the answer cannot be used to scan ports.
 async fn add_worker(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
-    let worker: WorkerConfig =
-        serde_json::from_slice(&body).map_err(|e| ApiError::BadRequest(format!("invalid worker: {e}")))?;
+    use crate::config::{worker_url_key, ConfigError};
+    use crate::state::StartError;
+    let invalid = |e: &dyn std::fmt::Display| ApiError::BadRequest(format!("invalid worker: {e}"));
+    let value: Value = serde_json::from_slice(&body).map_err(|e| invalid(&e))?;
+    if !value.is_object() {
+        return Err(invalid(
+            &"send a JSON object with `url` and optionally `backend`, `dp_size`, `rank_field`",
+        ));
+    }
+    let worker: WorkerConfig = serde_json::from_value(value).map_err(|e| invalid(&e))?;
+    let key = worker_url_key(&worker.url);
+    if state.pending_workers().iter().any(|url| worker_url_key(url) == key) {
+        return Err(ApiError::Conflict(format!(
+            "worker {} is configured already and is added when it answers",
+            worker.url
+        )));
+    }
     let (id, dp_size) = state.add_worker(&worker).await.map_err(|e| match e {
-        crate::state::StartError::Config(c) => ApiError::BadRequest(c.to_string()),
-        other => ApiError::Upstream {
-            endpoint: worker.url.clone(),
-            message: other.to_string(),
-        },
+        StartError::Config(ConfigError::Invalid(message)) => invalid(&message),
+        StartError::Config(other) => invalid(&other),
+        e @ StartError::Duplicate { .. } => ApiError::Conflict(e.to_string()),
+        StartError::Worker { url, message } => {
+            tracing::warn!(%url, error = %message, "POST /workers: the worker did not tell its ranks");
+            ApiError::Upstream {
+                endpoint: url,
+                message: "it did not answer GET /get_server_info with a usable dp_size (the gateway's log says \
+                          why); check the URL, or give dp_size"
+                    .into(),
+            }
+        }
     })?;
     Ok((
         StatusCode::CREATED,
@@ -241,4 +347,94 @@ async fn flush_cache(State(state): State<Arc<AppState>>) -> Response {
         StatusCode::BAD_GATEWAY
     };
     (status, Json(json!({"results": results}))).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::HeaderValue;
+    use std::net::SocketAddr;
+
+    fn peer(addr: &str) -> Option<SocketAddr> {
+        Some(addr.parse().unwrap())
+    }
+
+    fn status(result: Result<(), ApiError>) -> u16 {
+        result.map_or_else(|e| e.status().as_u16(), |()| 200)
+    }
+
+    #[test]
+    fn without_a_key_only_loopback_peers_reach_admin_routes() {
+        for (addr, expected) in [
+            ("127.0.0.1:5000", 200),
+            ("127.8.9.10:5000", 200),
+            ("[::1]:5000", 200),
+            ("[::ffff:127.0.0.1]:5000", 200),
+            ("10.0.0.1:5000", 403),
+            ("192.168.1.2:5000", 403),
+            ("[2001:db8::1]:5000", 403),
+            ("[::ffff:10.0.0.1]:5000", 403),
+            ("0.0.0.0:5000", 403),
+        ] {
+            assert_eq!(status(admin_access(None, peer(addr), None)), expected, "{addr}");
+        }
+        let refused = admin_access(None, None, None).unwrap_err();
+        assert_eq!(
+            refused.status(),
+            StatusCode::FORBIDDEN,
+            "an unknown peer is not loopback"
+        );
+        let body = refused.body();
+        assert_eq!(body["error"]["type"], "permission_error");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains("admin_key"),
+            "{body}"
+        );
+        // A bearer token does not open them while no key is configured.
+        let token = HeaderValue::from_static("Bearer anything");
+        assert_eq!(status(admin_access(None, peer("10.0.0.1:1"), Some(&token))), 403);
+    }
+
+    #[test]
+    fn with_a_key_everyone_needs_it() {
+        let key = Some("s3cret");
+        let header = |v: &'static str| HeaderValue::from_static(v);
+        for addr in ["10.0.0.1:5000", "127.0.0.1:5000", "[::1]:5000"] {
+            assert_eq!(
+                status(admin_access(key, peer(addr), Some(&header("Bearer s3cret")))),
+                200,
+                "{addr}"
+            );
+            assert_eq!(
+                status(admin_access(key, peer(addr), Some(&header("bearer  s3cret ")))),
+                200,
+                "{addr}: the scheme is case-insensitive"
+            );
+            for wrong in [
+                "Bearer s3cre",
+                "Bearer s3cret2",
+                "Bearer S3CRET",
+                "Basic s3cret",
+                "s3cret",
+                "Bearer ",
+            ] {
+                assert_eq!(
+                    status(admin_access(key, peer(addr), Some(&header(wrong)))),
+                    401,
+                    "{addr} {wrong}"
+                );
+            }
+            assert_eq!(status(admin_access(key, peer(addr), None)), 401, "{addr}: no header");
+        }
+        assert_eq!(status(admin_access(key, None, Some(&header("Bearer s3cret")))), 200);
+    }
+
+    #[test]
+    fn keys_match_exactly() {
+        assert!(keys_match("k", "k"));
+        assert!(keys_match("a longer key with spaces", "a longer key with spaces"));
+        for other in ["", "K", "k ", "kk", "j"] {
+            assert!(!keys_match("k", other), "{other:?}");
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use dprouter_core::{Branch, Policy, WorkerId};
 
-use crate::config::{GatewayConfig, WorkerConfig};
+use crate::config::{worker_url_key, GatewayConfig, WorkerConfig};
 use crate::registry::Registry;
 use crate::upstream::Upstream;
 
@@ -17,6 +17,11 @@ pub struct AppState {
     pub upstream: Upstream,
     /// Routing decisions by branch since start (for `GET /workers`).
     decisions: Mutex<Decisions>,
+    /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
+    /// workers already serving, when they answer.
+    pending: Mutex<Vec<WorkerConfig>>,
+    /// Held while a worker is checked against the registered ones and added, so one URL cannot be added twice.
+    adding: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -31,6 +36,8 @@ pub enum StartError {
     Config(#[from] crate::config::ConfigError),
     #[error("cannot add worker {url}: {message}")]
     Worker { url: String, message: String },
+    #[error("worker {url} is already registered as worker {id}; remove it first (DELETE /workers/{id}) to replace it")]
+    Duplicate { url: String, id: u32 },
 }
 
 impl AppState {
@@ -40,19 +47,53 @@ impl AppState {
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
             policy: config.routing.build(),
-            upstream: Upstream::new(Duration::from_millis(config.connect_timeout_ms)),
+            upstream: Upstream::new(
+                Duration::from_millis(config.connect_timeout_ms),
+                Duration::from_millis(config.upstream_idle_timeout_ms),
+            ),
             decisions: Mutex::new(Decisions::default()),
+            pending: Mutex::new(Vec::new()),
+            adding: Mutex::new(()),
             config,
         });
         for worker in state.config.workers.clone() {
-            state.add_worker(&worker).await?;
+            match state.add_worker(&worker).await {
+                Ok(_) => {}
+                // Its rank count can only come from the worker itself: wait for it rather than refuse to start.
+                Err(StartError::Worker { url, message }) if worker.dp_size.is_none() => {
+                    tracing::warn!(%url, error = %message, "worker pending: its ranks are added when it answers");
+                    state.lock_pending().push(worker);
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(state)
+    }
+
+    fn lock_pending(&self) -> std::sync::MutexGuard<'_, Vec<WorkerConfig>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The URLs of workers still waiting to be discovered.
+    pub fn pending_workers(&self) -> Vec<String> {
+        self.lock_pending().iter().map(|w| w.url.clone()).collect()
+    }
+
+    /// Tries to add every pending worker once; returns how many are still pending.
+    pub async fn add_pending_workers(&self) -> usize {
+        let waiting = self.lock_pending().clone();
+        for worker in waiting {
+            if self.add_worker(&worker).await.is_ok() {
+                self.lock_pending().retain(|w| *w != worker);
+            }
+        }
+        self.lock_pending().len()
     }
 
     /// Adds one worker at run time.
     pub async fn add_worker(&self, worker: &WorkerConfig) -> Result<(WorkerId, u32), StartError> {
         crate::config::validate_worker(worker)?;
+        self.check_not_registered(worker)?;
         let timeout = Duration::from_millis(self.config.health.timeout_ms.max(self.config.connect_timeout_ms));
         let info = self
             .upstream
@@ -62,10 +103,26 @@ impl AppState {
                 url: worker.url.clone(),
                 message,
             })?;
+        let adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
+        // Again: another request may have added it while this one asked the worker.
+        self.check_not_registered(worker)?;
         let id = self.registry.add_worker(worker, info);
+        drop(adding);
         tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,
                        kv_capacity = ?info.kv_capacity, worker = id.0, "worker added");
         Ok((id, info.dp_size))
+    }
+
+    /// A worker whose URL (normalized: [`worker_url_key`]) is already registered is a [`StartError::Duplicate`].
+    fn check_not_registered(&self, worker: &WorkerConfig) -> Result<(), StartError> {
+        let key = worker_url_key(&worker.url);
+        match self.registry.workers().iter().find(|w| worker_url_key(&w.url) == key) {
+            Some(w) => Err(StartError::Duplicate {
+                url: worker.url.clone(),
+                id: w.id.0,
+            }),
+            None => Ok(()),
+        }
     }
 
     pub fn count_decision(&self, branch: Branch) {

@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | `dprouter_requests_total` | counter | `route`, `status` |
 //! | `dprouter_routing_decisions_total` | counter | `policy`, `branch` |
-//! | `dprouter_upstream_errors_total` | counter | `endpoint`, `kind` (`connect`, `server`, `status_5xx`, `stream`) |
+//! | `dprouter_upstream_errors_total` | counter | `endpoint`, `kind` (`connect`, `server`, `status_5xx`, `stream`, `timeout`) |
 //! | `dprouter_retries_total` | counter | |
 //! | `dprouter_endpoint_in_flight_requests` | gauge | `endpoint` |
 //! | `dprouter_endpoint_healthy` | gauge | `endpoint` |

@@ -8,10 +8,10 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde_json::Value;
 
-use crate::config::{Backend, WorkerConfig};
+use crate::config::{Backend, WorkerConfig, MAX_DP_SIZE};
 
 pub type UpstreamError = hyper_util::client::legacy::Error;
 
@@ -22,13 +22,16 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    pub fn new(connect_timeout: Duration) -> Self {
+    /// A client whose connections take at most `connect_timeout` to open and are closed after `idle_timeout`
+    /// unused in the pool. (The pool enforces its idle timeout only with a timer.)
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
         Self {
             client: Client::builder(TokioExecutor::new())
-                .pool_idle_timeout(Duration::from_secs(30))
+                .pool_timer(TokioTimer::new())
+                .pool_idle_timeout(idle_timeout)
                 .build(connector),
         }
     }
@@ -102,15 +105,22 @@ impl Upstream {
                     }
                     (Err(e), None) => return Err(format!("{e}; pass --dp-size")),
                 };
-                let reported = info
-                    .get("dp_size")
-                    .and_then(Value::as_u64)
-                    .and_then(|n| u32::try_from(n).ok())
-                    .filter(|&n| n >= 1);
-                let dp_size = worker
-                    .dp_size
-                    .or(reported)
-                    .ok_or_else(|| format!("{url}: no dp_size in the answer; pass --dp-size"))?;
+                let dp_size = match worker.dp_size {
+                    Some(n) => n,
+                    None => {
+                        let reported = info
+                            .get("dp_size")
+                            .and_then(Value::as_u64)
+                            .ok_or_else(|| format!("{url}: no dp_size in the answer; pass --dp-size"))?;
+                        // A worker claiming billions of ranks must not make the gateway allocate for them.
+                        u32::try_from(reported)
+                            .ok()
+                            .filter(|n| (1..=MAX_DP_SIZE).contains(n))
+                            .ok_or_else(|| {
+                                format!("{url}: reported dp_size {reported} is not between 1 and {MAX_DP_SIZE}")
+                            })?
+                    }
+                };
                 Ok(WorkerInfo {
                     dp_size,
                     kv_capacity: info.get("max_total_num_tokens").and_then(Value::as_u64),

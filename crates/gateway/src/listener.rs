@@ -1,0 +1,662 @@
+//! The gateway's HTTP/1 server: the accept loop, per-connection timeouts, the connection and in-flight limits, and
+//! the drain on shutdown (`[server]` in the config; why each default is what it is: `docs/operations.md`,
+//! "Timeouts and limits").
+//!
+//! Per connection, one task serves it with hyper and watches it: a connection with no request in flight is closed
+//! `idle_timeout` after its last response (or after it was accepted), and one whose request head started arriving
+//! is closed if the head is not complete `header_read_timeout` after its first byte. hyper's own
+//! `header_read_timeout` is not used: it starts when the previous response ends, so it would also close idle
+//! keep-alive connections, at the header timeout instead of the idle one.
+//!
+//! Each open connection holds one permit of a `max_connections` semaphore. A client accepted when none is free
+//! waits, accepted but not served, and the loop accepts no other until one frees, so the next clients wait in the
+//! kernel's accept queue rather than being accepted and dropped. While a client waits, and when `accept` fails for
+//! want of file descriptors, connections idle for a while are asked to close (as nginx reuses keep-alive
+//! connections when it runs out), so idle clients cannot keep new ones out. Accept errors never end the loop: they
+//! are logged at most every few seconds and the loop pauses briefly.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, Request, State};
+use axum::http::{header, HeaderValue};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use bytes::Bytes;
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper::server::conn::http1;
+use hyper_util::rt::TokioIo;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+
+use crate::config::ServerConfig;
+use crate::error::ApiError;
+
+/// Under pressure (no free connection slot, or no file descriptor), connections idle at least this long are
+/// closed. The grace keeps a client's pooled connection that it is about to reuse from being closed under it.
+const REAP_MIN_IDLE: Duration = Duration::from_secs(1);
+/// While no connection slot is free, idle connections are asked to close this often.
+const PRESSURE_RETRY: Duration = Duration::from_millis(250);
+/// The accept loop's pause after an error other than a client's aborted connection (e.g. `EMFILE`).
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
+/// Accept errors and "at max_connections" are logged at most this often.
+const LOG_EVERY: Duration = Duration::from_secs(5);
+/// After the drain deadline, how long the connections still open get to close before `serve` returns anyway.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// File descriptors the gateway needs besides client and upstream connections (logs, the runtime, health probes).
+const FD_RESERVE: u64 = 64;
+/// `EMFILE` and `ENFILE` (the same numbers on Linux and the BSDs).
+const OUT_OF_FDS: [i32; 2] = [24, 23];
+
+/// Where the server is in its life; every connection task watches it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Serving,
+    /// Shutdown began: finish the request in flight, then close; close idle connections now.
+    Draining,
+    /// The drain deadline passed: close now.
+    Closing,
+}
+
+struct Shared {
+    header_read_timeout: Duration,
+    idle_timeout: Duration,
+    /// Notified when new clients are kept waiting: idle connections close.
+    pressure: Notify,
+}
+
+/// Serves `router` on `listener` until `shutdown` completes, then drains (see the module documentation).
+pub async fn run(
+    listener: TcpListener,
+    router: Router,
+    config: &ServerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> io::Result<()> {
+    warn_if_short_of_fds(config);
+    let shared = Arc::new(Shared {
+        header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
+        idle_timeout: Duration::from_millis(config.idle_timeout_ms),
+        pressure: Notify::new(),
+    });
+    let slots = Arc::new(Semaphore::new(config.max_connections as usize));
+    let (phase, watching) = watch::channel(Phase::Serving);
+    let mut accept_log = Throttled::new();
+    let mut full_log = Throttled::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
+            // A client that gave up before it was accepted: nothing is wrong here.
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                continue
+            }
+            Err(e) => {
+                let out_of_fds = e.raw_os_error().is_some_and(|code| OUT_OF_FDS.contains(&code));
+                if out_of_fds {
+                    shared.pressure.notify_waiters();
+                }
+                if let Some(suppressed) = accept_log.ready() {
+                    tracing::error!(error = %e, out_of_fds, suppressed, "accept failed; retrying");
+                }
+                tokio::select! {
+                    () = tokio::time::sleep(ACCEPT_ERROR_PAUSE) => continue,
+                    () = &mut shutdown => break,
+                }
+            }
+        };
+        // At the limit this one client waits, accepted, and the next ones wait in the kernel's accept queue.
+        let slot = match Arc::clone(&slots).try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => tokio::select! {
+                slot = free_slot(&slots, &shared, config.max_connections, &mut full_log) => slot,
+                () = &mut shutdown => break,
+            },
+        };
+        let _ = tcp.set_nodelay(true);
+        let task = serve_connection(tcp, peer, router.clone(), Arc::clone(&shared), watching.clone(), slot);
+        tokio::spawn(task);
+    }
+    drop(listener);
+    drain(&phase, &slots, config).await;
+    Ok(())
+}
+
+/// A connection slot for a client kept waiting: asks idle connections to close until one frees.
+async fn free_slot(slots: &Arc<Semaphore>, shared: &Shared, max: u32, log: &mut Throttled) -> OwnedSemaphorePermit {
+    if let Some(suppressed) = log.ready() {
+        tracing::warn!(
+            max_connections = max,
+            suppressed,
+            "at max_connections: new clients wait to be accepted"
+        );
+    }
+    loop {
+        shared.pressure.notify_waiters();
+        tokio::select! {
+            Ok(slot) = Arc::clone(slots).acquire_owned() => return slot,
+            () = tokio::time::sleep(PRESSURE_RETRY) => {}
+        }
+    }
+}
+
+/// Closes idle connections now, gives the others `drain_timeout` to finish their request, then closes them.
+async fn drain(phase: &watch::Sender<Phase>, slots: &Semaphore, config: &ServerConfig) {
+    let max = config.max_connections;
+    let open = |slots: &Semaphore| max as usize - slots.available_permits();
+    tracing::info!(
+        open_connections = open(slots),
+        drain_timeout_ms = config.drain_timeout_ms,
+        "draining"
+    );
+    phase.send_replace(Phase::Draining);
+    let deadline = Duration::from_millis(config.drain_timeout_ms);
+    if tokio::time::timeout(deadline, slots.acquire_many(max)).await.is_err() {
+        tracing::warn!(
+            open_connections = open(slots),
+            drain_timeout_ms = config.drain_timeout_ms,
+            "drain deadline reached: closing the connections still open"
+        );
+        phase.send_replace(Phase::Closing);
+        let _ = tokio::time::timeout(CLOSE_GRACE, slots.acquire_many(max)).await;
+    }
+}
+
+/// Serves one connection until it ends, a timeout closes it, or the drain does; `_slot` is released at the end.
+async fn serve_connection(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    router: Router,
+    shared: Arc<Shared>,
+    mut phase: watch::Receiver<Phase>,
+    _slot: OwnedSemaphorePermit,
+) {
+    let activity = Arc::new(Activity::new());
+    let io = TokioIo::new(Watched {
+        inner: tcp,
+        activity: Arc::clone(&activity),
+    });
+    let service = ConnService {
+        inner: TowerToHyperService::new(router),
+        peer,
+        activity: Arc::clone(&activity),
+    };
+    let mut builder = http1::Builder::new();
+    // hyper's own limits sit above the gateway's (`server::MAX_HEADERS`, `MAX_HEADER_BYTES`, `MAX_URI_BYTES`), so
+    // the gateway answers an oversized head with a JSON error; only heads past these get hyper's bare 431.
+    builder
+        .keep_alive(true)
+        .header_read_timeout(None)
+        .max_headers(4 * crate::server::MAX_HEADERS)
+        .max_buf_size(256 << 10);
+    let mut conn = std::pin::pin!(builder.serve_connection(io, service));
+    loop {
+        let deadline = activity.deadline(&shared);
+        let changed = activity.changed.notified();
+        let pressure = shared.pressure.notified();
+        tokio::select! {
+            result = conn.as_mut() => {
+                if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                if let Some(reason) = activity.expired(&shared, Instant::now()) {
+                    tracing::debug!(%peer, reason, "closing the connection");
+                    return;
+                }
+            }
+            () = changed => {}
+            () = pressure => {
+                if activity.idle_for(Instant::now()).is_some_and(|idle| idle >= REAP_MIN_IDLE) {
+                    tracing::debug!(%peer, "closing an idle connection to make room");
+                    return;
+                }
+            }
+            Ok(()) = phase.changed() => match *phase.borrow_and_update() {
+                Phase::Serving => {}
+                Phase::Draining => {
+                    if activity.idle_for(Instant::now()).is_some() {
+                        return;
+                    }
+                    conn.as_mut().graceful_shutdown();
+                }
+                Phase::Closing => return,
+            },
+        }
+    }
+}
+
+const NONE: u64 = u64::MAX;
+
+/// What one connection is doing, for its timeouts. Times are milliseconds since `born`.
+struct Activity {
+    born: Instant,
+    /// Requests handed to the router whose response has not ended (0 or 1 with HTTP/1).
+    in_flight: AtomicU32,
+    /// When the last response ended (or the connection was accepted).
+    idle_since: AtomicU64,
+    /// When the first byte of the next request head arrived; `NONE` while none has.
+    head_since: AtomicU64,
+    /// Notified when a request ends or a head starts: the deadline moves.
+    changed: Notify,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Self {
+            born: Instant::now(),
+            in_flight: AtomicU32::new(0),
+            idle_since: AtomicU64::new(0),
+            head_since: AtomicU64::new(NONE),
+            changed: Notify::new(),
+        }
+    }
+
+    fn ms(&self, now: Instant) -> u64 {
+        u64::try_from(now.saturating_duration_since(self.born).as_millis()).unwrap_or(NONE - 1)
+    }
+
+    fn at(&self, ms: u64) -> Instant {
+        self.born + Duration::from_millis(ms)
+    }
+
+    /// Bytes arrived: with no request in flight they start the next request's head.
+    fn bytes_in(&self, now: Instant) {
+        if self.in_flight.load(Ordering::Acquire) == 0
+            && self
+                .head_since
+                .compare_exchange(NONE, self.ms(now), Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+        {
+            self.changed.notify_one();
+        }
+    }
+
+    /// The router took a request (its head is complete).
+    fn start_request(&self) {
+        self.in_flight.fetch_add(1, Ordering::AcqRel);
+        self.head_since.store(NONE, Ordering::Release);
+    }
+
+    /// A response ended (or its request was dropped).
+    fn end_request(&self, now: Instant) {
+        self.idle_since.store(self.ms(now), Ordering::Release);
+        if self.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.changed.notify_one();
+        }
+    }
+
+    fn request_started(self: &Arc<Self>) -> RequestGuard {
+        self.start_request();
+        RequestGuard(Arc::clone(self))
+    }
+
+    /// How long the connection has had nothing to do; `None` while a request is in flight or arriving.
+    fn idle_for(&self, now: Instant) -> Option<Duration> {
+        if self.in_flight.load(Ordering::Acquire) > 0 || self.head_since.load(Ordering::Acquire) != NONE {
+            return None;
+        }
+        let since = self.idle_since.load(Ordering::Acquire);
+        Some(Duration::from_millis(self.ms(now).saturating_sub(since)))
+    }
+
+    /// When the connection is to be closed if nothing changes (far away while a request is in flight).
+    fn deadline(&self, shared: &Shared) -> Instant {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return self.born + Duration::from_secs(86_400 * 365);
+        }
+        match self.head_since.load(Ordering::Acquire) {
+            NONE => self.at(self.idle_since.load(Ordering::Acquire)) + shared.idle_timeout,
+            head => self.at(head) + shared.header_read_timeout,
+        }
+    }
+
+    /// Why the connection is to be closed now, if it is.
+    fn expired(&self, shared: &Shared, now: Instant) -> Option<&'static str> {
+        if self.in_flight.load(Ordering::Acquire) > 0 || now < self.deadline(shared) {
+            return None;
+        }
+        Some(if self.head_since.load(Ordering::Acquire) == NONE {
+            "idle timeout"
+        } else {
+            "header read timeout"
+        })
+    }
+}
+
+/// A request in flight on a connection, until its response body is done or dropped.
+struct RequestGuard(Arc<Activity>);
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        self.0.end_request(Instant::now());
+    }
+}
+
+/// The client socket, reporting the bytes it reads to the connection's [`Activity`].
+struct Watched {
+    inner: TcpStream,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if matches!(polled, Poll::Ready(Ok(()))) && buf.filled().len() > before {
+            self.activity.bytes_in(Instant::now());
+        }
+        polled
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// The router as one connection's hyper service: marks requests in flight and gives handlers the peer address
+/// (`ConnectInfo<SocketAddr>`, as `into_make_service_with_connect_info` would).
+#[derive(Clone)]
+struct ConnService {
+    inner: TowerToHyperService<Router>,
+    peer: SocketAddr,
+    activity: Arc<Activity>,
+}
+
+type ServiceFuture = Pin<Box<dyn Future<Output = Result<Response<WithGuard<RequestGuard>>, Infallible>> + Send>>;
+
+impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
+    type Response = Response<WithGuard<RequestGuard>>;
+    type Error = Infallible;
+    type Future = ServiceFuture;
+
+    fn call(&self, mut request: hyper::Request<Incoming>) -> Self::Future {
+        let guard = self.activity.request_started();
+        request.extensions_mut().insert(ConnectInfo(self.peer));
+        let response = hyper::service::Service::call(&self.inner, request);
+        Box::pin(async move {
+            let response = response.await?;
+            Ok(response.map(|body| WithGuard::new(body, guard)))
+        })
+    }
+}
+
+/// A response body that holds `G` (a connection's request guard, an in-flight permit) until it ends.
+pub struct WithGuard<G> {
+    body: Body,
+    guard: Option<G>,
+}
+
+impl<G> WithGuard<G> {
+    pub fn new(body: Body, guard: G) -> Self {
+        Self {
+            body,
+            guard: Some(guard),
+        }
+    }
+}
+
+impl<G: Unpin> HttpBody for WithGuard<G> {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) {
+            self.guard = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The `max_in_flight` limit on generation requests (the state of [`limit_in_flight`]).
+pub struct InFlightLimit {
+    permits: Arc<Semaphore>,
+    max: u32,
+}
+
+impl InFlightLimit {
+    pub fn new(max: u32) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(max as usize)),
+            max,
+        })
+    }
+}
+
+/// Middleware: a request over the limit is answered 503 with `Retry-After: 1` at once, its body unread; the others
+/// hold a permit until their response body ends (or the client goes away).
+pub async fn limit_in_flight(State(limit): State<Arc<InFlightLimit>>, request: Request, next: Next) -> Response {
+    match Arc::clone(&limit.permits).try_acquire_owned() {
+        Ok(permit) => next
+            .run(request)
+            .await
+            .map(|body| Body::new(WithGuard::new(body, permit))),
+        Err(_) => {
+            let message = format!(
+                "the gateway is at its limit of {} requests in flight (server.max_in_flight); retry shortly",
+                limit.max
+            );
+            let mut response = ApiError::Unavailable(message).into_response();
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+        }
+    }
+}
+
+/// Logs at most once per [`LOG_EVERY`], counting what it skipped.
+struct Throttled {
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl Throttled {
+    fn new() -> Self {
+        Self {
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// `Some(skipped since the last log)` when it is time to log again.
+    fn ready(&mut self) -> Option<u64> {
+        let now = Instant::now();
+        if self.last.is_some_and(|last| now.duration_since(last) < LOG_EVERY) {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+/// Warns at start when `max_connections` clients plus `max_in_flight` upstream connections would not fit under
+/// the process's open-file limit (Linux: read from `/proc/self/limits`).
+fn warn_if_short_of_fds(config: &ServerConfig) {
+    let Some(limit) = open_files_limit() else {
+        return;
+    };
+    let wanted = u64::from(config.max_connections) + u64::from(config.max_in_flight) + FD_RESERVE;
+    if wanted > limit {
+        tracing::warn!(
+            open_files_limit = limit,
+            max_connections = config.max_connections,
+            max_in_flight = config.max_in_flight,
+            "max_connections + max_in_flight + {FD_RESERVE} exceeds the open-file limit: raise it (ulimit -n, \
+             systemd LimitNOFILE=) or lower server.max_connections; until then accept fails with EMFILE first \
+             (the gateway keeps serving, closing idle connections to make room)"
+        );
+    }
+}
+
+/// The soft `RLIMIT_NOFILE`, where the system tells it.
+fn open_files_limit() -> Option<u64> {
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+    line.trim_start_matches("Max open files")
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shared(header_ms: u64, idle_ms: u64) -> Shared {
+        Shared {
+            header_read_timeout: Duration::from_millis(header_ms),
+            idle_timeout: Duration::from_millis(idle_ms),
+            pressure: Notify::new(),
+        }
+    }
+
+    #[test]
+    fn deadlines_follow_the_connection() {
+        let shared = shared(100, 1_000);
+        let activity = Activity::new();
+        let t = |ms: u64| activity.born + Duration::from_millis(ms);
+        assert_eq!(activity.deadline(&shared), t(1_000), "idle from the accept");
+        assert_eq!(activity.idle_for(t(300)), Some(Duration::from_millis(300)));
+        activity.bytes_in(t(300));
+        assert_eq!(activity.idle_for(t(300)), None);
+        assert_eq!(activity.deadline(&shared), t(400), "the head from its first byte");
+        activity.bytes_in(t(350));
+        assert_eq!(activity.deadline(&shared), t(400), "more bytes do not extend it");
+        assert_eq!(activity.expired(&shared, t(399)), None);
+        activity.start_request();
+        assert!(activity.deadline(&shared) > t(3_600_000), "none while in flight");
+        activity.bytes_in(t(500));
+        assert_eq!(activity.expired(&shared, t(5_000)), None);
+        activity.end_request(t(6_300));
+        assert_eq!(activity.deadline(&shared), t(7_300), "idle from the response's end");
+        assert_eq!(activity.idle_for(t(6_300)), Some(Duration::ZERO));
+        assert_eq!(activity.expired(&shared, t(7_299)), None);
+        assert_eq!(activity.expired(&shared, t(7_300)), Some("idle timeout"));
+        activity.bytes_in(t(7_000));
+        assert_eq!(activity.expired(&shared, t(7_099)), None);
+        assert_eq!(activity.expired(&shared, t(7_100)), Some("header read timeout"));
+    }
+
+    /// Handlers get `ConnectInfo<SocketAddr>` (what `into_make_service_with_connect_info` gave), and `run` returns
+    /// once its shutdown future completes and the connections are closed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn handlers_see_the_peer_and_shutdown_returns() {
+        use std::io::{Read, Write};
+        let peer = |ConnectInfo(peer): ConnectInfo<SocketAddr>| async move { peer.to_string() };
+        let router = Router::new().route("/peer", axum::routing::get(peer));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let config = ServerConfig {
+            drain_timeout_ms: 200,
+            ..ServerConfig::default()
+        };
+        let server = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            run(listener, router, &config, shutdown).await
+        });
+        let (local, reply, idle) = tokio::task::spawn_blocking(move || {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"GET /peer HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .unwrap();
+            let mut reply = String::new();
+            s.read_to_string(&mut reply).unwrap();
+            // A connection that stays idle must not hold the shutdown up.
+            let idle = std::net::TcpStream::connect(addr).unwrap();
+            (s.local_addr().unwrap(), reply, idle)
+        })
+        .await
+        .unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        assert!(reply.ends_with(&local.to_string()), "{reply}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let started = std::time::Instant::now();
+        stop.send(()).unwrap();
+        tokio::time::timeout(Duration::from_secs(2), server)
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(
+            started.elapsed() < Duration::from_millis(150),
+            "{:?}",
+            started.elapsed()
+        );
+        drop(idle);
+    }
+
+    #[test]
+    fn the_open_files_limit_is_read_where_linux_tells_it() {
+        if cfg!(target_os = "linux") {
+            assert!(open_files_limit().is_some_and(|n| n > 0));
+        }
+    }
+
+    #[test]
+    fn throttled_logs_once_per_period() {
+        let mut log = Throttled::new();
+        assert_eq!(log.ready(), Some(0));
+        assert_eq!(log.ready(), None);
+        assert_eq!(log.ready(), None);
+        log.last = Some(Instant::now() - LOG_EVERY);
+        assert_eq!(log.ready(), Some(2));
+    }
+}

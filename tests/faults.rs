@@ -1,0 +1,406 @@
+//! Faults that must not take the gateway's fleet down: requests the engine refuses, engines that fail, stall or
+//! never answer. `dprouter serve` processes in front of `dprouter mock-engine` processes or of a scripted engine
+//! in this test, on loopback.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{client, get, in_flight, post, Proc};
+use hyper::StatusCode;
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A config file for `serve --config`, in the test's own temporary directory.
+fn config_file(name: &str, text: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("faults-{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+fn gateway(worker: &str, config: Option<&str>, extra: &[&str]) -> Proc {
+    let mut args = vec!["serve", "--listen", "127.0.0.1:0", "--worker", worker];
+    if let Some(path) = config {
+        args.extend(["--config", path]);
+    }
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// Endpoint health from `GET /workers`, in global rank order.
+async fn health(c: &common::HttpClient, gw: &str) -> Vec<bool> {
+    let workers = get(c, &format!("{gw}/workers")).await.json;
+    workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|w| w["endpoints"].as_array().unwrap().iter())
+        .map(|e| e["healthy"].as_bool().unwrap())
+        .collect()
+}
+
+fn generate(text: &str, stream: bool) -> Value {
+    json!({"text": text, "sampling_params": {"max_new_tokens": 4}, "stream": stream})
+}
+
+/// An SGLang-like engine with two ranks, scripted at the TCP level: it answers `/health` and `/get_server_info`,
+/// closes the connection without a word on any body over 100 kB (as engines and proxies in front of them do
+/// with bodies over their limit), answers small requests, and for `"stream": true` sends half an event and then
+/// stalls for good.
+async fn scripted_engine() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(serve_one(socket));
+        }
+    });
+    url
+}
+
+async fn serve_one(mut socket: TcpStream) {
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 65_536 || socket.read(&mut byte).await.unwrap_or(0) == 0 {
+            return;
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let length: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    let answer = |body: &str| {
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    if head.starts_with("get /health") {
+        let _ = socket.write_all(answer("{}").as_bytes()).await;
+    } else if head.starts_with("get /get_server_info") {
+        let _ = socket
+            .write_all(answer(r#"{"dp_size": 2, "max_total_num_tokens": 100000}"#).as_bytes())
+            .await;
+    } else if length > 100_000 {
+        // Refused: the connection closes under the client's feet.
+    } else {
+        let mut body = vec![0u8; length];
+        if socket.read_exact(&mut body).await.is_err() {
+            return;
+        }
+        if String::from_utf8_lossy(&body).contains(r#""stream":true"#) {
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            let half = "data: {\"text\": \"par";
+            let _ = socket
+                .write_all(format!("{head}{:x}\r\n{half}\r\n", half.len()).as_bytes())
+                .await;
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        } else {
+            // It tells whether the gateway passed `Accept-Encoding` on, and tries to set a cookie.
+            let text = if head.contains("accept-encoding") {
+                "compressible"
+            } else {
+                "ok"
+            };
+            let body = format!(r#"{{"text": "{text}", "meta_info": {{"prompt_tokens": 3, "cached_tokens": 0}}}}"#);
+            let reply = answer(&body).replacen("\r\n\r\n", "\r\nset-cookie: engine=1\r\nx-engine: scripted\r\n\r\n", 1);
+            let _ = socket.write_all(reply.as_bytes()).await;
+        }
+    }
+}
+
+/// A body the engine refuses by closing the connection is the request's fault: a client that sends them over
+/// and over must not eject a single endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_the_engine_refuses_never_eject_an_endpoint() {
+    let engine = scripted_engine().await;
+    let gw = gateway(&engine, None, &["--policy", "round_robin"]);
+    let c = client();
+    let big = json!({"input_ids": vec![7u32; 60_000], "sampling_params": {"max_new_tokens": 1}});
+    for _ in 0..12 {
+        let reply = post(&c, &format!("{}/generate", gw.url), &[], &big).await;
+        assert_eq!(reply.status, StatusCode::BAD_GATEWAY, "{}", reply.text);
+        assert!(reply.json["error"]["message"].is_string(), "{}", reply.text);
+    }
+    for i in 0..4 {
+        let reply = post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&format!("small {i}"), false),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    assert_eq!(health(&c, &gw.url).await, vec![true, true]);
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// A stream that stalls mid-way ends, after the stream idle timeout, with the partial line closed and one error
+/// event that an OpenAI client can parse; the stall counts against the endpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stalls_ends_with_a_parsable_error_event() {
+    let engine = scripted_engine().await;
+    let config = config_file(
+        "stall",
+        "stream_idle_timeout_ms = 300\n[health]\npassive_failure_threshold = 1\nbase_ejection_ms = 60000\n",
+    );
+    let gw = gateway(&engine, Some(&config), &["--policy", "round_robin"]);
+    let c = client();
+    let started = Instant::now();
+    let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate("hello", true)).await;
+    assert!(started.elapsed() < Duration::from_secs(10), "{:?}", started.elapsed());
+    assert_eq!(reply.status, StatusCode::OK);
+    let events: Vec<&str> = reply.text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.len(), 2, "{:?}", reply.text);
+    assert_eq!(
+        events[0], "data: {\"text\": \"par",
+        "the partial event is ended before the error"
+    );
+    let error: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(error["error"]["code"], 504, "{error}");
+    assert!(!reply.text.contains("[DONE]"));
+    let healthy = health(&c, &gw.url).await;
+    assert_eq!(
+        healthy.iter().filter(|h| !**h).count(),
+        1,
+        "the stalled endpoint is ejected: {healthy:?}"
+    );
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// When every endpoint fails, at most half are ejected (the default `max_ejection_percent`): the rest keep
+/// serving, so clients see the engine's own errors and never a gateway 503 for want of endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ejection_never_takes_more_than_half_of_the_fleet() {
+    let engine = Proc::engine(&["--dp-size", "4", "--error-rate", "1"]);
+    let gw = gateway(&engine.url, None, &["--policy", "round_robin"]);
+    let c = client();
+    for i in 0..24 {
+        let reply = post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&format!("p{i}"), false),
+        )
+        .await;
+        assert_eq!(
+            reply.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "request {i}: {}",
+            reply.text
+        );
+    }
+    let healthy = health(&c, &gw.url).await;
+    assert_eq!(healthy.iter().filter(|h| !**h).count(), 2, "{healthy:?}");
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// An engine that takes requests and never answers: the client gets a 504 with a JSON body after the first-byte
+/// timeout (the configured one, or a shorter one the client asks for), and the load is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_never_answers_gets_a_504_after_the_first_byte_timeout() {
+    let engine = Proc::engine(&["--dp-size", "2", "--first-byte-delay-ms", "60000"]);
+    let config = config_file("stuck", "first_byte_timeout_ms = 800\n");
+    let gw = gateway(&engine.url, Some(&config), &["--policy", "round_robin"]);
+    let c = client();
+    for (stream, headers) in [
+        (false, vec![]),
+        (true, vec![]),
+        (false, vec![("x-dprouter-first-byte-timeout-ms", "200")]),
+    ] {
+        let started = Instant::now();
+        let reply = post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &headers,
+            &generate("stuck", stream),
+        )
+        .await;
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(5), "stream {stream}: {took:?}");
+        let code = if reply.status == StatusCode::OK {
+            // The engine sent its stream's head at once: the error event carries the timeout.
+            let event = reply.text.trim().strip_prefix("data: ").unwrap();
+            serde_json::from_str::<Value>(event).unwrap()["error"]["code"].clone()
+        } else {
+            reply.json["error"]["code"].clone()
+        };
+        assert_eq!(code, 504, "stream {stream}: {}", reply.text);
+        if !headers.is_empty() {
+            assert!(
+                took < Duration::from_millis(700),
+                "the client's shorter timeout applies: {took:?}"
+            );
+        }
+    }
+    let bad = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[("x-dprouter-first-byte-timeout-ms", "soon")],
+        &generate("x", false),
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST, "{}", bad.text);
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// A rank that is dead for good (every request to it gets the engine's 503) is re-admitted after each ejection
+/// for one request only, and after twice as long each time: over 4 s of steady traffic it costs a handful of
+/// errors, where a fixed re-admission period would cost `threshold` errors every period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_rank_is_readmitted_ever_more_rarely() {
+    let engine = Proc::engine(&["--dp-size", "2", "--dead-rank", "1"]);
+    let config = config_file(
+        "dead-rank",
+        "[health]\ninterval_ms = 100\nsuccess_threshold = 1\nbase_ejection_ms = 250\n",
+    );
+    let gw = gateway(&engine.url, Some(&config), &["--policy", "round_robin"]);
+    let c = client();
+    let (mut ok, mut failed) = (0, 0);
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        match post(&c, &format!("{}/generate", gw.url), &[], &generate("turn", false))
+            .await
+            .status
+        {
+            StatusCode::OK => ok += 1,
+            StatusCode::SERVICE_UNAVAILABLE => failed += 1,
+            other => panic!("unexpected status {other}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Three to eject it, then one per re-admission at 0.25, 0.75, 1.75 and 3.75 s: seven; allow a little slack.
+    assert!(failed <= 9, "{failed} errors and {ok} answers");
+    assert!(ok > 50, "{ok} answers");
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// The engine's cookies and the gateway's own hop-by-hop headers stay behind; `Accept-Encoding` is not passed on
+/// (a compressed answer would hide the usage report); the engine's other headers reach the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_are_filtered_both_ways() {
+    let engine = scripted_engine().await;
+    let gw = gateway(&engine, None, &["--policy", "round_robin"]);
+    let c = client();
+    let response = common::send(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[("accept-encoding", "gzip, br")],
+        generate("hi", false).to_string(),
+    )
+    .await;
+    let headers = response.headers().clone();
+    let reply = common::read(response).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(reply.json["text"], "ok", "Accept-Encoding reached the engine");
+    assert!(headers.get("set-cookie").is_none(), "{headers:?}");
+    assert_eq!(headers.get("x-engine").unwrap(), "scripted");
+}
+
+/// Established TCP connections to `port` on this machine (IPv4 and IPv6), from `/proc/net`.
+fn established_to(port: u16) -> usize {
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|p| std::fs::read_to_string(p).ok())
+        .flat_map(|t| t.lines().skip(1).map(str::to_owned).collect::<Vec<_>>())
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            // local_address remote_address st: the engine's side is local on `port`, state 01 = ESTABLISHED.
+            f.len() > 3 && f[1].ends_with(&format!(":{port:04X}")) && f[3] == "01"
+        })
+        .count()
+}
+
+/// Upstream connections left idle after a burst are closed after `upstream_idle_timeout_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_upstream_connections_are_closed() {
+    let engine = Proc::engine(&["--dp-size", "2", "--first-byte-delay-ms", "300"]);
+    let port: u16 = engine.url.rsplit(':').next().unwrap().parse().unwrap();
+    let config = config_file("idle-pool", "upstream_idle_timeout_ms = 500\n");
+    let gw = gateway(&engine.url, Some(&config), &["--policy", "round_robin"]);
+    let c = client();
+    let url = format!("{}/generate", gw.url);
+    let bodies: Vec<Value> = (0..8).map(|i| generate(&format!("b{i}"), false)).collect();
+    let burst = bodies.iter().map(|b| post(&c, &url, &[], b));
+    for reply in futures_util::future::join_all(burst).await {
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    assert!(
+        established_to(port) >= 4,
+        "the burst opened connections: {}",
+        established_to(port)
+    );
+    let closed = common::eventually(Duration::from_secs(5), || async { established_to(port) == 0 }).await;
+    assert!(closed, "{} connections still open", established_to(port));
+}
+
+/// An SGLang worker that is down when the gateway starts (its rank count unknown) does not stop the start: the
+/// gateway serves with the others, and adds its ranks after theirs when it answers, renumbering nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_down_at_start_is_added_when_it_answers() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let late_url = format!("http://127.0.0.1:{port}");
+    let live = Proc::engine(&["--dp-size", "2"]);
+    let config = config_file("pending", "[health]\ninterval_ms = 200\n");
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        &config,
+        "--worker",
+        &late_url,
+        "--worker",
+        &live.url,
+    ]);
+    let c = client();
+    let ranks_of = |workers: &Value, url: &str| -> Vec<u64> {
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|w| w["url"] == url)
+            .flat_map(|w| w["endpoints"].as_array().unwrap().iter())
+            .map(|e| e["rank"].as_u64().unwrap())
+            .collect()
+    };
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(workers["pending"], json!([late_url]));
+    assert_eq!(ranks_of(&workers, &live.url), vec![0, 1]);
+    let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate("early", false)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+
+    let listen = format!("127.0.0.1:{port}");
+    let late = Proc::start(&["mock-engine", "--listen", &listen, "--preset", "zero", "--dp-size", "3"]);
+    assert_eq!(late.url, late_url);
+    let added = common::eventually(Duration::from_secs(5), || async {
+        get(&c, &format!("{}/workers", gw.url)).await.json["pending"] == json!([])
+    })
+    .await;
+    assert!(added, "the late worker was never added");
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(
+        ranks_of(&workers, &live.url),
+        vec![0, 1],
+        "the live worker keeps its ranks"
+    );
+    assert_eq!(ranks_of(&workers, &late_url), vec![2, 3, 4]);
+    let pinned = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &json!({"text": "late", "routed_dp_rank": 4, "sampling_params": {"max_new_tokens": 1}}),
+    )
+    .await;
+    assert_eq!(pinned.status, StatusCode::OK, "{}", pinned.text);
+}
