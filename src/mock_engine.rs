@@ -48,6 +48,10 @@ pub struct MockEngineArgs {
     /// Fault: break streaming connections after this many tokens.
     #[arg(long)]
     drop_after_tokens: Option<u32>,
+    /// Fault: fraction of streaming requests whose connection breaks, with no [DONE], after a random number of
+    /// tokens (drawn from the seed and the request).
+    #[arg(long, default_value_t = 0.0)]
+    drop_rate: f64,
     /// Fault: delay the first byte of every generation response, milliseconds (real time).
     #[arg(long, default_value_t = 0)]
     first_byte_delay_ms: u64,
@@ -65,7 +69,7 @@ impl MockEngineArgs {
             self.time_scale >= 0.0 && self.time_scale.is_finite(),
             "--time-scale must be >= 0"
         );
-        for rate in [self.error_rate, self.unavailable_rate] {
+        for rate in [self.error_rate, self.unavailable_rate, self.drop_rate] {
             anyhow::ensure!((0.0..=1.0).contains(&rate), "fault rates must be within [0, 1]");
         }
         Ok(EngineConfig {
@@ -81,6 +85,7 @@ impl MockEngineArgs {
                 error_rate: self.error_rate,
                 unavailable_rate: self.unavailable_rate,
                 drop_after_tokens: self.drop_after_tokens,
+                drop_rate: self.drop_rate,
                 first_byte_delay: Duration::from_millis(self.first_byte_delay_ms),
                 dead_ranks: self.dead_ranks.clone(),
                 unhealthy: self.unhealthy,

@@ -242,8 +242,8 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
         Ok(job) => job,
         Err(message) => return bad(message),
     };
-    let rank = match s.engine.admit(job.rank_override) {
-        Ok(rank) => rank,
+    let admission = match s.engine.admit(job.rank_override) {
+        Ok(admission) => admission,
         Err(refusal @ Refusal::RankNotActive(_)) => return bad(refusal.to_string()),
         Err(refusal @ Refusal::Internal) => return error(StatusCode::INTERNAL_SERVER_ERROR, refusal.to_string()),
         Err(refusal) => return error(StatusCode::SERVICE_UNAVAILABLE, refusal.to_string()),
@@ -255,7 +255,8 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
         .tokens
         .iter()
         .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
-    tokio::spawn(Arc::clone(&s.engine).run(rank, job.tokens.clone(), job.max_new_tokens, seed, job.stream, tx));
+    let rank = admission.rank;
+    tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens.clone(), job.max_new_tokens, seed, job.stream, tx));
     let render = Renderer {
         kind: job.kind,
         id: format!("{id:x}"),
@@ -428,10 +429,15 @@ fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
         };
         let emit = rx.recv().await?;
         match emit {
-            Emit::Drop => Some((
-                Err(std::io::Error::other("injected fault: connection dropped")),
-                StreamState::Ended,
-            )),
+            Emit::Drop => {
+                // Let the server write the events already sent (it flushes when the body is pending), so the
+                // stream breaks after exactly the tokens the engine emitted.
+                tokio::task::yield_now().await;
+                Some((
+                    Err(std::io::Error::other("injected fault: connection dropped")),
+                    StreamState::Ended,
+                ))
+            }
             Emit::Done { .. } => {
                 render.absorb(&emit);
                 let mut out = sse(&render.chunk(None, false, true)).to_vec();

@@ -41,6 +41,9 @@ pub struct Faults {
     pub unavailable_rate: f64,
     /// Streaming responses break the connection after this many tokens.
     pub drop_after_tokens: Option<u32>,
+    /// Fraction of streaming responses that break the connection (no final event, no `[DONE]`) after a number of
+    /// tokens drawn from 0 to `max_new_tokens`, from the seed and the request's number.
+    pub drop_rate: f64,
     /// Delay before the first response byte of every generation request (added to TTFT).
     pub first_byte_delay: Duration,
     /// Ranks that failed to start: skipped by the engine's own round robin, requests pinned to them get 503.
@@ -125,6 +128,13 @@ pub struct Engine {
     stall: DecodeStall,
 }
 
+/// A request the engine took: its rank, and its number, which names its fault draws.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    pub rank: usize,
+    pub request: u64,
+}
+
 /// Why a request was refused before it started.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
@@ -203,7 +213,7 @@ impl Engine {
     }
 
     /// Picks the serving rank (the override if any, else round robin over live ranks) and applies injected faults.
-    pub fn admit(&self, rank_override: Option<i64>) -> Result<usize, Refusal> {
+    pub fn admit(&self, rank_override: Option<i64>) -> Result<Admission, Refusal> {
         let n = self.requests.fetch_add(1, Relaxed);
         let rank = match rank_override {
             Some(r) => {
@@ -231,23 +241,44 @@ impl Engine {
         if draw < faults.error_rate + faults.unavailable_rate {
             return Err(Refusal::Unavailable);
         }
-        Ok(rank)
+        Ok(Admission { rank, request: n })
+    }
+
+    /// How many tokens a streamed request sends before its connection breaks, if it does: `drop_after_tokens` (at
+    /// least one, when fewer than the answer's), else for a `drop_rate` fraction of requests a number from 0 to
+    /// `max_new_tokens` (all of them: the final event and `[DONE]` are what is missing), drawn independently of
+    /// the error draws from the seed and the request's number.
+    fn break_point(&self, request: u64, max_new_tokens: u32) -> Option<u64> {
+        let max = u64::from(max_new_tokens);
+        let faults = &self.config.faults;
+        if let Some(k) = faults.drop_after_tokens {
+            return Some(u64::from(k).max(1)).filter(|&k| k < max);
+        }
+        let h = mix(mix(self.config.seed ^ mix(request)) ^ 0x6472_6f70); // "drop"
+        let draw = (h >> 11) as f64 / (1u64 << 53) as f64;
+        (draw < faults.drop_rate).then(|| mix(h) % (max + 1))
     }
 
     fn scaled(&self, seconds_micros: u64) -> Duration {
         Duration::from_secs_f64(seconds_micros as f64 / 1e6 * self.config.time_scale.max(0.0))
     }
 
-    /// Runs one request on `rank` to completion or until `tx`'s receiver is dropped. `seed` names the answer.
+    /// Runs one admitted request to completion or until `tx`'s receiver is dropped. `seed` names the answer.
     pub async fn run(
         self: Arc<Self>,
-        rank: usize,
+        admission: Admission,
         tokens: Vec<u32>,
         max_new_tokens: u32,
         seed: u64,
         streaming: bool,
         tx: mpsc::Sender<Emit>,
     ) {
+        let rank = admission.rank;
+        let break_after = if streaming {
+            self.break_point(admission.request, max_new_tokens)
+        } else {
+            None
+        };
         let mut slot = Slot::new(Arc::clone(&self), rank, tokens.len() as u64);
         let r = &self.ranks[rank];
         let delay = self.config.faults.first_byte_delay;
@@ -279,6 +310,10 @@ impl Engine {
         }
         slot.end_prefill();
         drop(prefill_turn);
+        if break_after == Some(0) {
+            let _ = tx.send(Emit::Drop).await;
+            return;
+        }
 
         let first = Emit::First {
             text: output_word(seed, 0),
@@ -291,13 +326,8 @@ impl Engine {
         }
         let started = self.stall.now();
         let per_token = self.scaled(self.config.cost.decode(2, r.running.load(Relaxed) as usize));
-        let drop_after = if streaming {
-            self.config.faults.drop_after_tokens
-        } else {
-            None
-        };
         for i in 1..u64::from(max_new_tokens) {
-            if drop_after.is_some_and(|k| i >= u64::from(k)) {
+            if break_after == Some(i) {
                 let _ = tx.send(Emit::Drop).await;
                 return;
             }
@@ -315,6 +345,10 @@ impl Engine {
             {
                 return;
             }
+        }
+        if break_after == Some(u64::from(max_new_tokens)) {
+            let _ = tx.send(Emit::Drop).await;
+            return;
         }
         let mut answer = tokens;
         answer.extend((0..u64::from(max_new_tokens)).map(|i| output_token(seed, i)));

@@ -16,7 +16,7 @@ pub mod stall;
 pub mod tokenizer;
 
 pub use api::{router, SERVED_RANK_HEADER};
-pub use engine::{Api, Engine, EngineConfig, Faults};
+pub use engine::{Admission, Api, Engine, EngineConfig, Faults};
 
 /// Serves `engine` on `listener` until `shutdown` completes (in-flight requests finish first).
 pub async fn serve(

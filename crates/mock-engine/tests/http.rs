@@ -396,3 +396,76 @@ async fn faults_are_injected() {
         .await;
     assert!(resp.into_body().collect().await.is_err(), "the stream breaks mid-way");
 }
+
+/// `drop_rate`: that fraction of streams break (no final event, no `[DONE]`) after a number of tokens that varies
+/// from none to all of them, the same streams at the same points for the same seed; whole responses never break,
+/// and a broken stream's slot is released.
+#[tokio::test]
+async fn a_fraction_of_streams_break_after_a_random_number_of_tokens() {
+    async fn run(seed: u64) -> (Server, Vec<Option<usize>>) {
+        let s = start(EngineConfig {
+            faults: Faults {
+                drop_rate: 0.5,
+                ..Faults::default()
+            },
+            seed,
+            ..config(2, "zero", 1.0)
+        })
+        .await;
+        let mut outcomes = Vec::new();
+        for i in 0..60 {
+            let body = json!({"text": format!("p{i}"), "stream": true, "sampling_params": {"max_new_tokens": 8}});
+            let mut resp = s.send("/generate", &[], &body).await;
+            assert_eq!(resp.status(), StatusCode::OK);
+            let mut text = String::new();
+            let broken = loop {
+                match resp.body_mut().frame().await {
+                    None => break false,
+                    Some(Err(_)) => break true,
+                    Some(Ok(frame)) => {
+                        if let Ok(data) = frame.into_data() {
+                            text.push_str(std::str::from_utf8(&data).unwrap());
+                        }
+                    }
+                }
+            };
+            let events = text.matches("data: ").count();
+            if broken {
+                assert!(!text.contains("[DONE]"), "{text}");
+                assert!(events <= 8, "{text}");
+                outcomes.push(Some(events));
+            } else {
+                assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+                outcomes.push(None);
+            }
+        }
+        (s, outcomes)
+    }
+    let (s, outcomes) = run(7).await;
+    let broken: Vec<usize> = outcomes.iter().flatten().copied().collect();
+    assert!((15..=45).contains(&broken.len()), "{outcomes:?}");
+    let mut points = broken.clone();
+    points.sort_unstable();
+    points.dedup();
+    assert_eq!(
+        points,
+        (0..=8).collect::<Vec<_>>(),
+        "streams break after none to all of the tokens: {outcomes:?}"
+    );
+    assert_eq!(run(7).await.1, outcomes, "the same seed breaks the same streams");
+    assert_ne!(run(8).await.1, outcomes, "another seed breaks others");
+
+    for i in 0..20 {
+        let (status, _, body) = s
+            .post(
+                "/generate",
+                &[],
+                json!({"text": format!("w{i}"), "sampling_params": {"max_new_tokens": 8}}),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "whole responses never break: {body}");
+    }
+    let load = s.get("/get_load").await;
+    assert!(load.as_array().unwrap().iter().all(|r| r["num_reqs"] == 0), "{load}");
+    assert_eq!(s.get("/get_server_info").await["aborted_requests"], broken.len());
+}
