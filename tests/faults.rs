@@ -146,10 +146,7 @@ async fn bodies_the_engine_refuses_never_eject_an_endpoint() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_stalls_ends_with_a_parsable_error_event() {
     let engine = scripted_engine().await;
-    let config = config_file(
-        "stall",
-        "stream_idle_timeout_ms = 300\n[health]\npassive_failure_threshold = 1\nbase_ejection_ms = 60000\n",
-    );
+    let config = config_file("stall", "stream_idle_timeout_ms = 300\n");
     let gw = gateway(&engine, Some(&config), &["--policy", "round_robin"]);
     let c = client();
     let started = Instant::now();
@@ -165,28 +162,57 @@ async fn a_stream_that_stalls_ends_with_a_parsable_error_event() {
     let error: Value = serde_json::from_str(events[1].strip_prefix("data: ").unwrap()).unwrap();
     assert_eq!(error["error"]["code"], 504, "{error}");
     assert!(!reply.text.contains("[DONE]"));
-    let healthy = health(&c, &gw.url).await;
-    assert_eq!(
-        healthy.iter().filter(|h| !**h).count(),
-        1,
-        "the stalled endpoint is ejected: {healthy:?}"
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("dprouter_upstream_errors_total") && l.contains("kind=\"timeout\"")),
+        "the stall counts against the endpoint: {metrics}"
     );
     assert_eq!(in_flight(&c, &gw.url).await, 0);
 }
 
-/// When every endpoint fails, at most half are ejected (the default `max_ejection_percent`): the rest keep
-/// serving, so clients see the engine's own errors and never a gateway 503 for want of endpoints.
+/// Outlier ejection: endpoints that fail while the others do not are ejected (at most half the fleet, the default
+/// `max_ejection_percent`: the rule itself is unit-tested in `registry.rs`), the rest keep serving, and clients
+/// see the engine's own errors, never a gateway 503 for want of endpoints. When every endpoint fails alike, none
+/// is an outlier and none is ejected: ejecting would only cut capacity.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ejection_never_takes_more_than_half_of_the_fleet() {
-    let engine = Proc::engine(&["--dp-size", "4", "--error-rate", "1"]);
-    let gw = gateway(&engine.url, None, &["--policy", "round_robin"]);
+async fn ejection_takes_outliers_only_and_never_more_than_half_of_the_fleet() {
+    let failing = Proc::engine(&["--dp-size", "2", "--error-rate", "1"]);
+    let fine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&failing, &fine], &["--policy", "round_robin"]);
     let c = client();
-    for i in 0..24 {
+    let mut statuses = std::collections::BTreeMap::new();
+    for i in 0..60 {
         let reply = post(
             &c,
             &format!("{}/generate", gw.url),
             &[],
             &generate(&format!("p{i}"), false),
+        )
+        .await;
+        *statuses.entry(reply.status.as_u16()).or_insert(0) += 1;
+    }
+    assert_eq!(
+        statuses.keys().copied().collect::<Vec<_>>(),
+        vec![200, 500],
+        "{statuses:?}"
+    );
+    assert_eq!(
+        health(&c, &gw.url).await,
+        vec![false, false, true, true],
+        "the failing worker's ranks are out"
+    );
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+
+    let engine = Proc::engine(&["--dp-size", "4", "--error-rate", "1"]);
+    let gw = gateway(&engine.url, None, &["--policy", "round_robin"]);
+    for i in 0..40 {
+        let reply = post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&format!("q{i}"), false),
         )
         .await;
         assert_eq!(
@@ -196,9 +222,11 @@ async fn ejection_never_takes_more_than_half_of_the_fleet() {
             reply.text
         );
     }
-    let healthy = health(&c, &gw.url).await;
-    assert_eq!(healthy.iter().filter(|h| !**h).count(), 2, "{healthy:?}");
-    assert_eq!(in_flight(&c, &gw.url).await, 0);
+    assert_eq!(
+        health(&c, &gw.url).await,
+        vec![true; 4],
+        "failing alike, nobody is an outlier"
+    );
 }
 
 /// An engine that takes requests and never answers: the client gets a 504 with a JSON body after the first-byte
@@ -403,4 +431,73 @@ async fn a_worker_down_at_start_is_added_when_it_answers() {
     )
     .await;
     assert_eq!(pinned.status, StatusCode::OK, "{}", pinned.text);
+}
+
+/// The worker gets the client's own bytes (numbers, spacing and key order as sent), minus the client's rank
+/// override members, plus the rank member for SGLang: the gateway never re-serializes a body, so it never
+/// reformats what the engine reads, and never holds a second copy of a large body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_gets_the_clients_bytes() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let engine = format!("http://{}", listener.local_addr().unwrap());
+    let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let seen_tx = seen_tx.clone();
+            tokio::spawn(async move {
+                let mut data = Vec::new();
+                let mut buf = [0u8; 4096];
+                let (head_end, length) = loop {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    data.extend_from_slice(&buf[..n]);
+                    if let Some(end) = data.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&data[..end]).to_ascii_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |v| v.trim().parse().unwrap());
+                        break (end + 4, length);
+                    }
+                };
+                while data.len() < head_end + length {
+                    let n = socket.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    data.extend_from_slice(&buf[..n]);
+                }
+                let head = String::from_utf8_lossy(&data[..head_end]).to_string();
+                let reply = if head.starts_with("GET /get_server_info") {
+                    r#"{"dp_size": 2}"#.to_string()
+                } else {
+                    if head.starts_with("POST") {
+                        let _ = seen_tx.send(String::from_utf8_lossy(&data[head_end..]).to_string());
+                    }
+                    "{}".to_string()
+                };
+                let _ = socket
+                    .write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{reply}",
+                            reply.len()
+                        )
+                        .as_bytes(),
+                    )
+                    .await;
+            });
+        }
+    });
+    let gw = gateway(&engine, None, &["--policy", "round_robin"]);
+    let c = client();
+    let body = "{ \"routed_dp_rank\" : 1 ,\"text\":  \"h\\u00e9llo\", \"temperature\": 1e2,\n \"z\": [ 1 , 2.50 ], \"data_parallel_rank\": 0 }";
+    let response = common::send(&c, &format!("{}/generate", gw.url), &[], body.to_string()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = seen_rx.recv().await.unwrap();
+    assert_eq!(
+        seen,
+        "{\"routed_dp_rank\":1,\"text\":  \"h\\u00e9llo\",\"temperature\": 1e2,\"z\": [ 1 , 2.50 ]}"
+    );
 }

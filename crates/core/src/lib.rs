@@ -14,6 +14,7 @@ pub mod policy;
 pub mod prefix_key;
 pub mod prompt;
 pub mod request;
+pub mod request_body;
 
 pub use config::{ConfigError, InvalidOption, PolicyConfig};
 pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};

@@ -49,6 +49,10 @@ pub enum PromptError {
     Batch(&'static str),
     #[error("the request has no prompt: expected one of `input_ids`, `text`, `prompt` or `messages`")]
     NoPrompt,
+    #[error("the request body is not valid JSON: {0}")]
+    InvalidJson(String),
+    #[error("the request body has `{0}` more than once")]
+    Duplicate(String),
 }
 
 /// Parses one request body.
@@ -122,7 +126,7 @@ fn token_ids(value: &Value, field: &'static str) -> Result<Prompt, PromptError> 
         })
 }
 
-fn single_string(value: &Value, field: &'static str) -> Result<Prompt, PromptError> {
+pub(crate) fn single_string(value: &Value, field: &'static str) -> Result<Prompt, PromptError> {
     match value {
         Value::String(s) => Ok(Prompt::Bytes(s.as_bytes().to_vec())),
         Value::Array(items) if items.len() == 1 && items[0].is_string() => single_string(&items[0], field),

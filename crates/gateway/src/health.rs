@@ -19,6 +19,7 @@ pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandl
     let mut tasks = vec![
         tokio::spawn(probe_loop(Arc::clone(&state), stop.clone())),
         tokio::spawn(sweep_loop(Arc::clone(&state), stop.clone())),
+        tokio::spawn(metrics_upkeep(stop.clone())),
     ];
     if !state.pending_workers().is_empty() {
         tasks.push(tokio::spawn(pending_loop(Arc::clone(&state), stop.clone())));
@@ -84,6 +85,18 @@ async fn pending_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// The Prometheus recorder keeps histogram samples until they are drained: by a scrape, or by this upkeep, so
+/// that a gateway nobody scrapes does not grow (the exporter's own `build()` does the same every 5 s).
+async fn metrics_upkeep(stop: watch::Receiver<bool>) {
+    every(Duration::from_secs(5), stop, || {
+        if let Some(handle) = crate::telemetry::handle() {
+            handle.run_upkeep();
+        }
+        std::future::ready(())
+    })
+    .await;
 }
 
 /// How often ejections are checked for their end: a small fraction of the shortest ejection.

@@ -1,7 +1,9 @@
 //! The data path: parse once, route, target the rank, forward, stream the answer back.
 //!
-//! Cost per request: one JSON parse and one re-serialization of the body (to add the rank field), one routing
-//! decision, and a streaming copy of the response without buffering.
+//! Cost per request: one validating pass over the body that parses only the routing fields
+//! ([`dprouter_core::request_body`]; bodies over 1 MiB on the blocking pool), one routing decision, and the
+//! client's own bytes forwarded as slices (the client's rank override members left out, SGLang's rank member
+//! added), then a streaming copy of the response without buffering. The body is held once.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -12,10 +14,9 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::prompt::parse_request;
+use dprouter_core::request_body::{parse_body, Piece, RequestBody};
 use dprouter_core::{dispatch, Branch, Dispatch, RouteRequest};
-use http_body_util::{BodyExt, Full, Limited};
-use serde_json::{Map, Value};
+use http_body_util::BodyExt;
 
 use crate::body::{GuardedBody, Observer, Timing};
 use crate::config::Backend;
@@ -23,12 +24,12 @@ use crate::error::ApiError;
 use crate::registry::{Failure, Membership, Target};
 use crate::state::AppState;
 use crate::telemetry;
+use crate::upstream::Chunks;
 
 /// The client header that pins a rank (SGLang `/v1/*` since PR #19832).
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
 /// The header vLLM reads.
 const VLLM_RANK_HEADER: &str = "x-data-parallel-rank";
-const OVERRIDE_FIELDS: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
 
 /// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here).
 /// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
@@ -43,11 +44,14 @@ pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> R
     }
 }
 
-/// The parsed request: the JSON body (override fields removed) and what routing needs.
+/// The parsed request: the client's bytes and what routing read from them.
 struct Parsed {
-    body: Map<String, Value>,
-    route: RouteRequest,
+    bytes: Bytes,
+    body: RequestBody,
 }
+
+/// Bodies larger than this are parsed on the blocking pool, off the async runtime's threads.
+const BLOCKING_PARSE_BYTES: usize = 1 << 20;
 
 async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
@@ -65,55 +69,55 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::TooLarge { limit });
     }
+    // One buffer of the declared size: the body is held once, not in frames and then again in a copy.
+    let collect = async {
+        let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
+        let mut body = body;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| ApiError::BadRequest(format!("could not read the request body: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > limit {
+                    return Err(ApiError::TooLarge { limit });
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok(buf.freeze())
+    };
     // A client that declares more than it sends would hold the request (and its connection) open forever.
     let after_ms = state.config.server.request_body_timeout_ms;
-    let collected = tokio::time::timeout(
-        std::time::Duration::from_millis(after_ms),
-        Limited::new(body, limit).collect(),
-    )
-    .await
-    .map_err(|_| ApiError::BodyTimeout { after_ms })?;
-    match collected {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ApiError::TooLarge { limit }),
-        Err(e) => Err(ApiError::BadRequest(format!("could not read the request body: {e}"))),
-    }
+    tokio::time::timeout(std::time::Duration::from_millis(after_ms), collect)
+        .await
+        .map_err(|_| ApiError::BodyTimeout { after_ms })?
 }
 
-fn parse(state: &AppState, headers: &HeaderMap, bytes: &[u8]) -> Result<Parsed, ApiError> {
-    let mut value: Value = serde_json::from_slice(bytes)
-        .map_err(|e| ApiError::BadRequest(format!("the request body is not valid JSON: {e}")))?;
+/// Reads the routing fields of `bytes` (on the blocking pool when the body is large) and the rank header.
+async fn parse(state: &AppState, headers: &HeaderMap, bytes: Bytes) -> Result<Parsed, ApiError> {
     let allow_overrides = state.config.allow_client_overrides;
-    if let (false, Value::Object(body)) = (allow_overrides, &mut value) {
-        // Ignored, whatever they hold: the worker gets the rank the gateway chose.
-        for field in OVERRIDE_FIELDS {
-            body.remove(field);
-        }
-    }
-    let mut route = parse_request(&value)?;
-    let Value::Object(mut body) = value else {
-        return Err(ApiError::BadRequest("the request body must be a JSON object".into()));
+    let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
+        tokio::task::spawn_blocking(move || parse_body(&bytes, allow_overrides).map(|b| (bytes, b)))
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("the request could not be parsed: {e}")))??
+    } else {
+        let body = parse_body(&bytes, allow_overrides)?;
+        (bytes, body)
     };
     if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
         let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());
-        route.rank_override =
+        body.route.rank_override =
             Some(rank.ok_or_else(|| ApiError::BadRequest("X-Data-Parallel-Rank must be an integer".into()))?);
     }
-    // The gateway consumes the client's override; the worker gets the rank the gateway chose.
-    for field in OVERRIDE_FIELDS {
-        body.remove(field);
-    }
-    Ok(Parsed { body, route })
+    Ok(Parsed { bytes, body })
 }
 
-/// The upstream request for `target`: the same path and query, the rank injected the way the backend expects.
-/// `body` is lent, not copied: the rank field is added for serialization and removed again.
+/// The upstream request for `target`: the same path and query, the client's body without its rank override
+/// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
 fn upstream_request(
     target: &Target,
     path_and_query: &str,
     headers: &HeaderMap,
-    body: &mut Map<String, Value>,
-) -> Result<hyper::Request<Full<Bytes>>, ApiError> {
+    parsed: &Parsed,
+) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
     for name in &FORWARDED_HEADERS {
@@ -121,23 +125,28 @@ fn upstream_request(
             builder = builder.header(name, v);
         }
     }
-    let encoded = match target.backend {
-        Backend::Sglang => {
-            let field = target.rank_field.as_str();
-            body.insert(field.into(), Value::from(target.id.dp_rank));
-            let encoded = serde_json::to_vec(body);
-            body.remove(field);
-            encoded
-        }
+    let rank_member = match target.backend {
+        Backend::Sglang => Some(Bytes::from(format!(
+            "\"{}\":{}",
+            target.rank_field.as_str(),
+            target.id.dp_rank
+        ))),
         Backend::Vllm => {
             builder = builder.header(VLLM_RANK_HEADER, target.id.dp_rank);
-            serde_json::to_vec(body)
+            None
         }
-        Backend::Openai => serde_json::to_vec(body),
-    }
-    .map_err(|e| ApiError::BadRequest(format!("cannot encode the request: {e}")))?;
+        Backend::Openai => None,
+    };
+    let pieces = parsed
+        .body
+        .forwarded(&parsed.bytes, rank_member, |b, range| b.slice(range))
+        .into_iter()
+        .map(|p| match p {
+            Piece::Text(t) => Bytes::from_static(t.as_bytes()),
+            Piece::Bytes(b) => b,
+        });
     builder
-        .body(Full::new(Bytes::from(encoded)))
+        .body(Chunks::new(pieces))
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
 }
 
@@ -169,18 +178,17 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         .map_or(parts.uri.path(), |p| p.as_str())
         .to_string();
     let bytes = read_body(state, &parts.headers, body).await?;
-    let mut parsed = parse(state, &parts.headers, &bytes)?;
-    drop(bytes);
+    let mut parsed = parse(state, &parts.headers, bytes).await?;
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
     let mut excluded = HashSet::new();
     let mut attempt = 0;
     loop {
-        parsed.route.now_us = crate::clock::now_us();
-        let dispatched = route_once(state, &membership, &excluded, &parsed.route)?;
+        parsed.body.route.now_us = crate::clock::now_us();
+        let dispatched = route_once(state, &membership, &excluded, &parsed.body.route)?;
         let target = &membership.targets[dispatched.pick.rank];
         let label = target.label();
-        let upstream = upstream_request(target, &path_and_query, &parts.headers, &mut parsed.body)?;
+        let upstream = upstream_request(target, &path_and_query, &parts.headers, &parsed)?;
         let timing = Timing {
             received,
             first_byte: tokio::time::Instant::now() + first_byte_timeout,
@@ -212,7 +220,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     state.registry.record_success(target.id);
                 }
-                return Ok(relay(state, response, dispatched, target, parsed.route, timing));
+                return Ok(relay(state, response, dispatched, target, parsed.body.route, timing));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);

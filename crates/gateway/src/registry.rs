@@ -10,7 +10,8 @@
 //!   a request just failed to connect to it or lost its connection (a probe is asked for at once then), and back
 //!   after `success_threshold` good probes. It takes all its endpoints with it.
 //! - **Passive, per endpoint**: `passive_failure_threshold` failures in a row (5xx answers, refused connections,
-//!   broken streams, first-byte timeouts) eject the endpoint for `base_ejection_ms · 2^(n−1)` (at most
+//!   broken streams, first-byte timeouts) eject an outlier (its recent failure rate above twice the median of the
+//!   other routable endpoints' plus [`OUTLIER_MARGIN`]: failures every endpoint sees alike eject nobody) for `base_ejection_ms · 2^(n−1)` (at most
 //!   `max_ejection_ms`), `n` counting its ejections in a row; once back it is on probation (one failure ejects it
 //!   again) until `n` decays, by one per `base_ejection_ms` spent routable. An ejection that would put more than
 //!   `max_ejection_percent` of all endpoints out (at least one may always be) does not happen. A request's own
@@ -69,6 +70,23 @@ struct Outlier {
     ejected_until: Option<Instant>,
     /// When `ejections` last changed.
     since: Option<Instant>,
+    /// Recent share of failed requests: an exponentially weighted average over about the last
+    /// `1 / FAILURE_RATE_WEIGHT` requests.
+    failure_rate: f64,
+}
+
+/// The weight of one request in an endpoint's recent failure rate (about the last 50 requests count).
+const FAILURE_RATE_WEIGHT: f64 = 0.02;
+
+/// An endpoint is an outlier, and may be ejected, only while its recent failure rate is above twice the median of
+/// the other routable endpoints' plus this margin: failures that most endpoints see alike (a bad request mix, an
+/// upstream dependency, faults spread evenly) are not an endpoint's, and ejecting would only cut capacity.
+const OUTLIER_MARGIN: f64 = 0.05;
+
+impl Outlier {
+    fn observe(&mut self, failed: bool) {
+        self.failure_rate += FAILURE_RATE_WEIGHT * (f64::from(u8::from(failed)) - self.failure_rate);
+    }
 }
 
 #[derive(Debug)]
@@ -267,13 +285,19 @@ impl Registry {
         let Some(e) = w.endpoints.iter().find(|e| e.id == endpoint) else {
             return;
         };
-        let (total, ejected) = workers
-            .iter()
-            .flat_map(|w| &w.endpoints)
-            .fold((0usize, 0usize), |(t, j), e| (t + 1, j + usize::from(e.ejected())));
+        let (mut total, mut ejected, mut others) = (0usize, 0usize, Vec::new());
+        for other in workers.iter().flat_map(|w| &w.endpoints) {
+            let o = other.outlier();
+            total += 1;
+            ejected += usize::from(o.ejected_until.is_some());
+            if other.id != endpoint && o.ejected_until.is_none() {
+                others.push(o.failure_rate);
+            }
+        }
         let allowed = (total * self.health.max_ejection_percent as usize / 100).max(1);
         let mut o = e.outlier();
         o.consecutive += 1;
+        o.observe(true);
         // Back from an ejection, an endpoint is on probation: its next failure ejects it again.
         let threshold = if o.ejections > 0 {
             1
@@ -281,6 +305,13 @@ impl Registry {
             self.health.passive_failure_threshold
         };
         if o.ejected_until.is_some() || o.consecutive < threshold {
+            return;
+        }
+        others.sort_by(f64::total_cmp);
+        let fleet_rate = others.get(others.len() / 2).copied().unwrap_or(0.0);
+        if o.failure_rate <= 2.0 * fleet_rate + OUTLIER_MARGIN {
+            tracing::debug!(endpoint = %endpoint, rate = o.failure_rate, fleet_rate,
+                            "failures in a row, not ejected: the other endpoints fail as often");
             return;
         }
         if ejected >= allowed {
@@ -312,7 +343,9 @@ impl Registry {
             .find(|w| w.id == endpoint.worker)
             .and_then(|w| w.endpoints.iter().find(|e| e.id == endpoint))
         {
-            e.outlier().consecutive = 0;
+            let mut o = e.outlier();
+            o.consecutive = 0;
+            o.observe(false);
         }
     }
 
@@ -447,6 +480,12 @@ mod tests {
         EndpointId { worker, dp_rank }
     }
 
+    fn fail(r: &Registry, e: EndpointId, times: usize, now: Instant) {
+        for _ in 0..times {
+            r.record_failure(e, Failure::Engine, now);
+        }
+    }
+
     #[test]
     fn probes_change_worker_health() {
         let r = Registry::new(config(2));
@@ -518,7 +557,7 @@ mod tests {
         let w = r.add_worker(&worker("http://a:1"), info(4));
         let now = Instant::now();
         for rank in 0..4 {
-            r.record_failure(ep(w, rank), Failure::Engine, now);
+            fail(&r, ep(w, rank), 5, now);
         }
         assert_eq!(healthy(&r), vec![2, 3], "half of four may be out");
         let r = Registry::new(HealthConfig {
@@ -526,8 +565,8 @@ mod tests {
             ..config(1)
         });
         let w = r.add_worker(&worker("http://a:1"), info(2));
-        r.record_failure(ep(w, 0), Failure::Engine, now);
-        r.record_failure(ep(w, 1), Failure::Engine, now);
+        fail(&r, ep(w, 0), 5, now);
+        fail(&r, ep(w, 1), 5, now);
         assert_eq!(healthy(&r), vec![1], "one may always be ejected");
     }
 
@@ -543,11 +582,11 @@ mod tests {
         r.record_probe(b, false);
         r.record_probe(b, false);
         assert_eq!(healthy(&r), vec![0, 1, 2, 3]);
-        r.record_failure(ep(a, 0), Failure::Engine, now);
-        r.record_failure(ep(a, 1), Failure::Engine, now);
+        fail(&r, ep(a, 0), 5, now);
+        fail(&r, ep(a, 1), 5, now);
         assert_eq!(healthy(&r), vec![2, 3], "two of four routable: not below half");
         assert!(!r.membership().panic);
-        r.record_failure(ep(a, 2), Failure::Engine, now);
+        fail(&r, ep(a, 2), 5, now);
         assert!(r.membership().panic, "one of four routable");
         assert_eq!(
             healthy(&r),
@@ -574,6 +613,36 @@ mod tests {
             healthy(&r).is_empty(),
             "a failed probe right after it confirms the worker is down"
         );
+    }
+
+    #[test]
+    fn failures_every_endpoint_sees_alike_eject_nobody_but_an_outlier_is_ejected() {
+        let r = Registry::new(HealthConfig {
+            max_ejection_percent: 50,
+            ..config(3)
+        });
+        let w = r.add_worker(&worker("http://a:1"), info(4));
+        let now = Instant::now();
+        // 15% of requests fail on every endpoint alike (a fixed pseudo-random sequence), 4,000 requests.
+        let mut x: u64 = 7;
+        let mut ejections = 0;
+        for i in 0..4000u32 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let e = ep(w, i % 4);
+            if (x >> 33) % 100 < 15 {
+                r.record_failure(e, Failure::Engine, now);
+            } else {
+                r.record_success(e);
+            }
+            ejections += 4 - healthy(&r).len();
+            r.sweep(now + Duration::from_secs(3600));
+        }
+        assert_eq!(ejections, 0, "nobody is an outlier");
+        // Now rank 2 alone fails every request: it stands out, and goes.
+        for _ in 0..20 {
+            r.record_failure(ep(w, 2), Failure::Engine, now);
+        }
+        assert_eq!(healthy(&r), vec![0, 1, 3]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use dprouter_core::WorkerId;
 use futures_util::future::join_all;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -203,7 +203,7 @@ async fn models(State(state): State<Arc<AppState>>) -> Result<Response, ApiError
         .map(|&i| &membership.targets[i])
         .ok_or(dprouter_core::RouteError::NoHealthyEndpoint)?;
     let request = hyper::Request::get(format!("{}/v1/models", target.base))
-        .body(Full::new(Bytes::new()))
+        .body(crate::upstream::Chunks::default())
         .map_err(|e| ApiError::Unavailable(e.to_string()))?;
     let response = state.upstream.send(request).await.map_err(|e| ApiError::Upstream {
         endpoint: target.label(),

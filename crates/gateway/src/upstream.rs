@@ -3,8 +3,14 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
+use hyper::body::{Body, Frame, SizeHint};
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
@@ -18,7 +24,7 @@ pub type UpstreamError = hyper_util::client::legacy::Error;
 /// A pooled HTTP/1 client.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpConnector, Chunks>,
 }
 
 impl Upstream {
@@ -36,7 +42,7 @@ impl Upstream {
         }
     }
 
-    pub async fn send(&self, request: Request<Full<Bytes>>) -> Result<Response<Incoming>, UpstreamError> {
+    pub async fn send(&self, request: Request<Chunks>) -> Result<Response<Incoming>, UpstreamError> {
         self.client.request(request).await
     }
 
@@ -45,7 +51,7 @@ impl Upstream {
         let request = Request::builder()
             .method(method)
             .uri(url)
-            .body(Full::new(Bytes::new()))
+            .body(Chunks::default())
             .map_err(|e| format!("bad URL {url}: {e}"))?;
         let exchange = async {
             let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
@@ -148,4 +154,41 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// A request body sent as a list of byte slices (zero-copy pieces of the client's body), with its exact length,
+/// so that it goes out with a `Content-Length`.
+#[derive(Debug, Default)]
+pub struct Chunks {
+    pieces: VecDeque<Bytes>,
+    remaining: u64,
+}
+
+impl Chunks {
+    pub fn new(pieces: impl IntoIterator<Item = Bytes>) -> Self {
+        let pieces: VecDeque<Bytes> = pieces.into_iter().filter(|b| !b.is_empty()).collect();
+        let remaining = pieces.iter().map(|b| b.len() as u64).sum();
+        Self { pieces, remaining }
+    }
+}
+
+impl Body for Chunks {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let piece = self.pieces.pop_front();
+        if let Some(p) = &piece {
+            self.remaining -= p.len() as u64;
+        }
+        Poll::Ready(piece.map(|p| Ok(Frame::data(p))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.remaining)
+    }
 }
