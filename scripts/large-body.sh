@@ -5,28 +5,7 @@
 # them (by their ids) on exit. Uses `dprouter` from PATH.
 set -euo pipefail
 tokens=${TOKENS:-10000000}
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-# Starts `dprouter NAME ARGS` in the background and sets URL (and PID) from its "listening on" line.
-start() {
-  local out="$tmp/$1.out"
-  RUST_LOG=error dprouter "$@" > "$out" 2>&1 &
-  PID=$!
-  pids+=("$PID")
-  for _ in $(seq 200); do
-    grep -q 'listening on' "$out" 2>/dev/null && break
-    sleep 0.05
-  done
-  URL=$(awk '/listening on/ {print $NF; exit}' "$out")
-  [ -n "$URL" ] || { echo "dprouter $1 did not start:" >&2; cat "$out" >&2; exit 1; }
-}
+source "$(dirname "$0")/lib.sh"
 
 start mock-engine --listen 127.0.0.1:0 --preset zero --dp-size 2
 engine=$URL

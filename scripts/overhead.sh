@@ -4,28 +4,7 @@
 # Uses `dprouter` from PATH (e.g. after `cargo install --path .`, or PATH=target/release:$PATH).
 set -euo pipefail
 workload=${WORKLOAD:-agent:turns=100,prefix_len=4000,user_tokens=100,output_tokens=16,think_s=0}
-tmp=$(mktemp -d)
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$tmp"
-}
-trap cleanup EXIT
-
-# Starts `dprouter NAME ARGS` in the background (in this shell, so that cleanup knows its id) and sets URL from its
-# "listening on" line.
-start() {
-  local out="$tmp/$1.out"
-  RUST_LOG=warn dprouter "$@" > "$out" 2>&1 &
-  pids+=($!)
-  for _ in $(seq 200); do
-    grep -q 'listening on' "$out" 2>/dev/null && break
-    sleep 0.05
-  done
-  URL=$(awk '/listening on/ {print $NF; exit}' "$out")
-  [ -n "$URL" ] || { echo "dprouter $1 did not start:" >&2; cat "$out" >&2; exit 1; }
-}
+source "$(dirname "$0")/lib.sh"
 
 start mock-engine --listen 127.0.0.1:0 --preset zero --dp-size 4
 engine=$URL

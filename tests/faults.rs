@@ -61,25 +61,10 @@ async fn scripted_engine() -> String {
 }
 
 async fn serve_one(mut socket: TcpStream) {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if head.len() > 65_536 || socket.read(&mut byte).await.unwrap_or(0) == 0 {
-            return;
-        }
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .map_or(0, |v| v.trim().parse().unwrap());
-    let answer = |body: &str| {
-        format!(
-            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
+    let Some((head, length)) = common::read_head(&mut socket).await else {
+        return;
     };
+    let answer = common::json_answer;
     if head.starts_with("get /health") {
         let _ = socket.write_all(answer("{}").as_bytes()).await;
     } else if head.starts_with("get /get_server_info") {

@@ -30,19 +30,9 @@ async fn counting_engine() -> (String, Arc<AtomicUsize>) {
 }
 
 async fn answer(mut socket: TcpStream, seen: Arc<AtomicUsize>) {
-    let mut head = Vec::new();
-    let mut byte = [0u8; 1];
-    while !head.ends_with(b"\r\n\r\n") {
-        if socket.read(&mut byte).await.unwrap_or(0) == 0 {
-            return;
-        }
-        head.push(byte[0]);
-    }
-    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
-    let length: usize = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .map_or(0, |v| v.trim().parse().unwrap());
+    let Some((head, length)) = common::read_head(&mut socket).await else {
+        return;
+    };
     let mut body = vec![0u8; length];
     let _ = socket.read_exact(&mut body).await;
     let reply = if head.starts_with("get /get_server_info") {
@@ -53,15 +43,7 @@ async fn answer(mut socket: TcpStream, seen: Arc<AtomicUsize>) {
     } else {
         "{}"
     };
-    let _ = socket
-        .write_all(
-            format!(
-                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{reply}",
-                reply.len()
-            )
-            .as_bytes(),
-        )
-        .await;
+    let _ = socket.write_all(common::json_answer(reply).as_bytes()).await;
 }
 
 /// Sends `request` as raw bytes and reads the answer: its status and body. The connection is closed by the

@@ -181,3 +181,31 @@ pub fn python() -> std::path::PathBuf {
     std::fs::write(&stamp, wanted).unwrap();
     python
 }
+
+/// Reads one HTTP/1 request head from `socket` (at most 64 KiB), for the scripted engines of the tests: the head,
+/// lower-cased, and its `Content-Length` (0 when absent). `None` when the client closed first.
+pub async fn read_head(socket: &mut tokio::net::TcpStream) -> Option<(String, usize)> {
+    use tokio::io::AsyncReadExt;
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if head.len() > 65_536 || socket.read(&mut byte).await.unwrap_or(0) == 0 {
+            return None;
+        }
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8_lossy(&head).to_ascii_lowercase();
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    Some((head, length))
+}
+
+/// A `200 OK` answer with a JSON body that closes the connection.
+pub fn json_answer(body: &str) -> String {
+    format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
