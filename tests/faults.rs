@@ -486,3 +486,176 @@ async fn the_worker_gets_the_clients_bytes() {
         "{\"routed_dp_rank\":1,\"text\":  \"h\\u00e9llo\",\"temperature\": 1e2,\"z\": [ 1 , 2.50 ]}"
     );
 }
+
+/// A worker killed with streams in flight, then restarted on the same port: its streams end with an explicit
+/// error event, requests meanwhile go to the other worker without a client-visible error, and it serves again
+/// within a second of its restart (two good probes 200 ms apart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_stream_and_restarted_is_back_within_a_second() {
+    let mut a = Proc::start(&[
+        "mock-engine",
+        "--listen",
+        "127.0.0.1:0",
+        "--preset",
+        "h100-8b",
+        "--dp-size",
+        "1",
+    ]);
+    let b = Proc::engine(&["--dp-size", "1"]);
+    let listen = a.url.trim_start_matches("http://").to_string();
+    let config = config_file("restart", "[health]\ninterval_ms = 200\n");
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        &config,
+        "--policy",
+        "round_robin",
+        "--worker",
+        &a.url,
+        "--worker",
+        &b.url,
+    ]);
+    let c = client();
+    let url = format!("{}/generate", gw.url);
+    let long = json!({"text": "a long answer", "sampling_params": {"max_new_tokens": 400}, "stream": true});
+    let streams: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, url, body) = (c.clone(), url.clone(), long.to_string());
+            tokio::spawn(async move { common::read(common::send(&c, &url, &[], body).await).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.kill();
+    let mut errors = 0;
+    for s in streams {
+        let reply = s.await.unwrap();
+        if !reply.text.contains("[DONE]") {
+            assert!(
+                reply.text.contains(r#"data: {"error""#),
+                "an explicit error: {:.300}",
+                reply.text
+            );
+            errors += 1;
+        }
+    }
+    assert_eq!(
+        errors, 1,
+        "the stream on the killed worker ends with an error event, the other completes"
+    );
+    for i in 0..10 {
+        let reply = post(&c, &url, &[], &generate(&format!("meanwhile {i}"), false)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::OK,
+            "request {i} while the worker is down: {}",
+            reply.text
+        );
+    }
+    let restarted = Instant::now();
+    let _a = Proc::start(&["mock-engine", "--listen", &listen, "--preset", "zero", "--dp-size", "1"]);
+    let back = common::eventually(Duration::from_secs(5), || async {
+        let response = common::send(&c, &url, &[], generate("back?", false).to_string()).await;
+        response
+            .headers()
+            .get("x-dprouter-endpoint")
+            .is_some_and(|e| e == "w0r0")
+    })
+    .await;
+    assert!(back, "the restarted worker never served again");
+    assert!(
+        restarted.elapsed() < Duration::from_secs(2),
+        "back after {:?}",
+        restarted.elapsed()
+    );
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// An engine that answers 503 to everything (a rank that failed to start, an engine shutting down): clients see
+/// its 503s until its endpoint is ejected, a few requests in, and none after; the healthy worker serves the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_503s_ejects_the_endpoint_after_a_few_requests() {
+    let bad = Proc::engine(&["--dp-size", "1", "--unavailable-rate", "1"]);
+    let good = Proc::engine(&["--dp-size", "1"]);
+    let gw = Proc::gateway(&[&bad, &good], &["--policy", "round_robin"]);
+    let c = client();
+    let mut statuses = Vec::new();
+    for i in 0..30 {
+        statuses.push(
+            post(
+                &c,
+                &format!("{}/generate", gw.url),
+                &[],
+                &generate(&format!("r{i}"), false),
+            )
+            .await
+            .status,
+        );
+    }
+    let unavailable = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::SERVICE_UNAVAILABLE)
+        .count();
+    assert!((3..=4).contains(&unavailable), "{statuses:?}");
+    assert!(statuses[10..].iter().all(|s| *s == StatusCode::OK), "{statuses:?}");
+    assert_eq!(health(&c, &gw.url).await, vec![false, true]);
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// A "worker" that answers garbage instead of HTTP: the first request that meets it gets a 502 (its exchange
+/// broke before any answer, which asks for a probe), the probe fails too and confirms it, and every later request
+/// goes to the healthy worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_speaking_garbage_is_taken_out_by_one_probe() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let garbage = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let _ = common::read_head(&mut socket).await;
+                let _ = socket.write_all(b"HELLO? THIS IS NOT HTTP\r\n\r\n").await;
+            });
+        }
+    });
+    let good = Proc::engine(&["--dp-size", "1"]);
+    let config = config_file("garbage", "[health]\ninterval_ms = 60000\n");
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        &config,
+        "--policy",
+        "round_robin",
+        "--dp-size",
+        "1",
+        "--worker",
+        &garbage,
+        "--worker",
+        &good.url,
+    ]);
+    let c = client();
+    let mut failed = 0;
+    for i in 0..20 {
+        let reply = post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&format!("g{i}"), false),
+        )
+        .await;
+        match reply.status {
+            StatusCode::OK => {}
+            StatusCode::BAD_GATEWAY => {
+                assert!(reply.json["error"]["message"].is_string(), "{}", reply.text);
+                failed += 1;
+            }
+            other => panic!("request {i}: {other} {}", reply.text),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!((1..=2).contains(&failed), "{failed} requests failed");
+    assert_eq!(health(&c, &gw.url).await, vec![false, true]);
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
