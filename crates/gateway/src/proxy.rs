@@ -69,20 +69,27 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::TooLarge { limit });
     }
-    // One buffer of the declared size: the body is held once, not in frames and then again in a copy.
+    // One buffer, grown by doubling as bytes arrive but never past the declared length: the body is held once
+    // (not in frames and then in a copy), and a client only makes the gateway allocate what it actually sends.
     let collect = async {
-        let mut buf = bytes::BytesMut::with_capacity(declared.unwrap_or(0));
+        let mut buf: Vec<u8> = Vec::new();
         let mut body = body;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ApiError::BadRequest(format!("could not read the request body: {e}")))?;
             if let Ok(data) = frame.into_data() {
-                if buf.len() + data.len() > limit {
+                let needed = buf.len() + data.len();
+                if needed > limit {
                     return Err(ApiError::TooLarge { limit });
+                }
+                if needed > buf.capacity() {
+                    let grown = needed.max(2 * buf.capacity()).max(16 << 10);
+                    let target = declared.map_or(grown, |d| grown.min(d).max(needed)).min(limit);
+                    buf.reserve_exact(target - buf.len());
                 }
                 buf.extend_from_slice(&data);
             }
         }
-        Ok(buf.freeze())
+        Ok(Bytes::from(buf))
     };
     // A client that declares more than it sends would hold the request (and its connection) open forever.
     let after_ms = state.config.server.request_body_timeout_ms;
