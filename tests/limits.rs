@@ -319,7 +319,8 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
     let engine = Proc::engine(&[]);
     let config = ConfigFile::new("fds", "[server]\nmax_connections = 1000\n");
     // 64 descriptors for the whole process: the 100 clients below exhaust them.
-    let mut child = Command::new("bash")
+    let mut command = Command::new("bash");
+    command
         .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
         .arg(env!("CARGO_BIN_EXE_dprouter"))
         .args([
@@ -332,16 +333,8 @@ async fn running_out_of_file_descriptors_does_not_stop_the_gateway() {
             config.arg(),
         ])
         .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
-    let gw = Proc {
-        url: line.trim().rsplit(' ').next().unwrap().to_string(),
-        child,
-    };
+        .stderr(Stdio::inherit());
+    let gw = Proc::spawn(command);
     let url = gw.url.clone();
     let served = tokio::task::spawn_blocking({
         let idle: Vec<TcpStream> = (0..100).map(|_| connect(&gw)).collect();

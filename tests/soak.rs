@@ -10,7 +10,7 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -41,24 +41,12 @@ fn tmp(name: &str) -> std::path::PathBuf {
 
 /// Runs `dprouter ARGS` with its log in `log` and waits for its "listening on http://ADDR" line.
 fn start(args: &[&str], log: &std::path::Path) -> Proc {
-    use std::io::{BufRead, BufReader};
-    let mut child = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+    let mut command = Command::new(env!("CARGO_BIN_EXE_dprouter"));
+    command
         .args(args)
         .env("RUST_LOG", std::env::var("SOAK_LOG").unwrap_or_else(|_| "warn".into()))
-        .stdout(Stdio::piped())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line.trim().rsplit(' ').next().unwrap().to_string();
-    assert!(
-        url.starts_with("http://127.0.0.1:"),
-        "unexpected first line {line:?} from {args:?}"
-    );
-    Proc { child, url }
+        .stderr(std::fs::File::create(log).unwrap());
+    Proc::spawn(command)
 }
 
 /// A process's resident memory, kB, from `/proc/PID/status`.

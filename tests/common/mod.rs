@@ -22,13 +22,14 @@ pub struct Proc {
 impl Proc {
     /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" line.
     pub fn start(args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dprouter"))
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+        let mut command = Command::new(env!("CARGO_BIN_EXE_dprouter"));
+        command.args(args).env("RUST_LOG", "warn").stderr(Stdio::inherit());
+        Proc::spawn(command)
+    }
+
+    /// Runs a prepared command (its stdout is taken here) and waits for its "listening on http://ADDR" line.
+    pub fn spawn(mut command: Command) -> Proc {
+        let mut child = command.stdout(Stdio::piped()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut line)
@@ -36,7 +37,7 @@ impl Proc {
         let url = line.trim().rsplit(' ').next().unwrap().to_string();
         assert!(
             url.starts_with("http://127.0.0.1:"),
-            "unexpected first line {line:?} from {args:?}"
+            "unexpected first line {line:?} from {command:?}"
         );
         Proc { child, url }
     }
