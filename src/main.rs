@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod cost_args;
 mod mock_engine;
+mod overhead;
 mod route;
 mod serve;
 mod simulate;
@@ -32,6 +33,8 @@ enum Command {
     MockEngine(mock_engine::MockEngineArgs),
     /// Drive a workload over HTTP against an engine or gateway and measure TTFT from the streams.
     Bench(bench::BenchArgs),
+    /// Measure what the gateway adds over the engine itself: throughput, latency and CPU per request.
+    Overhead(overhead::OverheadArgs),
 }
 
 fn main() -> ExitCode {
@@ -50,6 +53,7 @@ fn main() -> ExitCode {
         Command::Simulate(args) => simulate::run(*args),
         Command::MockEngine(args) => mock_engine::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Overhead(args) => overhead::run(args),
     };
     result.unwrap_or_else(|err| {
         eprintln!("dprouter: {err:#}");

@@ -74,11 +74,11 @@ fn route_lines(policy: &dyn Policy, dp_size: u32, input: impl BufRead, out: &mut
         let result = serde_json::from_str::<Value>(&line)
             .map_err(|e| format!("invalid JSON: {e}"))
             .and_then(|body| parse_request(&body).map_err(|e| e.to_string()))
-            .and_then(|req| dispatch(policy, &snap, &req).map_err(|e| e.to_string()));
+            .and_then(|req| dispatch(policy, &snap, req).map_err(|e| e.to_string()));
         let reply = match result {
             Ok(routed) => {
                 let reply = json!({ "rank": routed.pick.rank });
-                in_flight.push(routed.guard);
+                in_flight.push(routed);
                 reply
             }
             Err(message) => {

@@ -20,10 +20,14 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" line.
+    /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" line. `DPROUTER_TEST_LOG` sets the
+    /// processes' `RUST_LOG` (default `warn`), and `DPROUTER_TEST_BIN` the binary, to chase a rare failure with
+    /// copies of the binaries while the tree is rebuilt.
     pub fn start(args: &[&str]) -> Proc {
-        let mut command = Command::new(env!("CARGO_BIN_EXE_dprouter"));
-        command.args(args).env("RUST_LOG", "warn").stderr(Stdio::inherit());
+        let bin = std::env::var("DPROUTER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dprouter").to_string());
+        let log = std::env::var("DPROUTER_TEST_LOG").unwrap_or_else(|_| "warn".to_string());
+        let mut command = Command::new(bin);
+        command.args(args).env("RUST_LOG", log).stderr(Stdio::inherit());
         Proc::spawn(command)
     }
 

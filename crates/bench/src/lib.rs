@@ -5,7 +5,8 @@
 //! Arrivals and think times are the workload's virtual times multiplied by `time_scale`, and measured times are
 //! divided by it, so results compare one to one with `dprouter simulate` on the same workload. With
 //! [`Routing::Client`] the driver itself routes with a core policy and pins the rank (`routed_dp_rank`): the engine
-//! is measured alone. With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
+//! is measured alone, and the policy gets its feedback as in the gateway and the simulator, through the request's
+//! [`Ticket`]: the first token when the first event arrives, the engine's usage report as soon as it is read. With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
 //!
 //! The outcome is the simulator's own [`SimOutcome`], so [`dprouter_sim::Summary`] reports both the same way.
 //! A stop signal (Ctrl-C in `dprouter bench`) ends a run early: no request is sent after it, the ones in flight are
@@ -18,7 +19,7 @@ use std::time::Duration;
 pub mod plot;
 
 use bytes::Bytes;
-use dprouter_core::{dispatch, Policy, RouteRequest, Snapshot};
+use dprouter_core::{dispatch, Policy, RouteRequest, Snapshot, Ticket, Usage, UsageScanner};
 use dprouter_sim::{Micros, RequestRecord, SimOutcome, SimRequest, Workload, WorkloadError};
 use http_body_util::{BodyExt, Full};
 use hyper::{Request, StatusCode};
@@ -55,6 +56,20 @@ pub enum BenchError {
 }
 
 /// What one request's task reports back.
+enum Report {
+    /// The first event of request `id` arrived.
+    FirstToken {
+        id: u64,
+        at: Instant,
+    },
+    /// The engine's usage report of request `id` was read.
+    Usage {
+        id: u64,
+        usage: Usage,
+    },
+    Finished(Finished),
+}
+
 struct Finished {
     req: SimRequest,
     rank: usize,
@@ -113,12 +128,12 @@ pub async fn run(
     let to_virtual = |t: Instant| (t.saturating_duration_since(start).as_secs_f64() / scale * 1e6) as Micros;
     let to_real = |v: Micros| start + Duration::from_secs_f64(v as f64 / 1e6 * scale);
 
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Finished>();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Report>();
     let mut outcome = SimOutcome {
         routed_per_rank: vec![0; snapshot.len()],
         ..SimOutcome::default()
     };
-    let mut guards = HashMap::new();
+    let mut tickets: HashMap<u64, Ticket<&dyn Policy>> = HashMap::new();
     let mut in_flight = 0usize;
     // The request tasks: dropping the set aborts whatever is still in flight.
     let mut tasks = JoinSet::new();
@@ -179,12 +194,12 @@ pub async fn run(
                 });
                 let mut rank = 0;
                 if let Routing::Client { policy, .. } = config.routing {
-                    let route_req = RouteRequest::tokens(req.tokens.clone());
-                    match dispatch(policy, &snapshot, &route_req) {
-                        Ok(d) => {
-                            rank = d.pick.rank;
+                    let route_req = RouteRequest::tokens(req.tokens.clone()).at(to_virtual(Instant::now()));
+                    match dispatch(policy, &snapshot, route_req) {
+                        Ok(ticket) => {
+                            rank = ticket.pick.rank;
                             body["routed_dp_rank"] = json!(rank);
-                            guards.insert(req.id, d.guard);
+                            tickets.insert(req.id, ticket);
                         }
                         Err(_) => {
                             outcome.errors += 1;
@@ -196,13 +211,28 @@ pub async fn run(
                 in_flight += 1;
                 let (client, url, tx) = (client.clone(), url.clone(), done_tx.clone());
                 tasks.spawn(async move {
-                    let result = send(&client, url, body).await;
-                    let _ = tx.send(Finished { req, rank, result });
+                    let result = send(&client, url, body, req.id, &tx).await;
+                    let _ = tx.send(Report::Finished(Finished { req, rank, result }));
                 });
             }
-            Some(done) = done_rx.recv() => {
+            Some(report) = done_rx.recv() => {
+                let done = match report {
+                    Report::FirstToken { id, at } => {
+                        if let Some(ticket) = tickets.get_mut(&id) {
+                            ticket.first_token(to_virtual(at));
+                        }
+                        continue;
+                    }
+                    Report::Usage { id, usage } => {
+                        if let Some(ticket) = tickets.get_mut(&id) {
+                            ticket.usage(usage);
+                        }
+                        continue;
+                    }
+                    Report::Finished(done) => done,
+                };
                 in_flight -= 1;
-                guards.remove(&done.req.id);
+                tickets.remove(&done.req.id);
                 // Reap finished tasks so the set stays as small as the requests in flight.
                 while tasks.try_join_next().is_some() {}
                 let measured = match done.result {
@@ -245,8 +275,15 @@ pub async fn run(
     Ok(BenchOutcome { outcome, stopped })
 }
 
-/// Sends one streaming `/generate` request and reads it to the end.
-async fn send(client: &HttpClient, url: hyper::Uri, body: Value) -> Result<Measured, String> {
+/// Sends one streaming `/generate` request and reads it to the end, reporting its first token and its usage
+/// report on `reports` as they arrive.
+async fn send(
+    client: &HttpClient,
+    url: hyper::Uri,
+    body: Value,
+    id: u64,
+    reports: &mpsc::UnboundedSender<Report>,
+) -> Result<Measured, String> {
     let request = Request::post(url)
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_string())))
@@ -257,10 +294,18 @@ async fn send(client: &HttpClient, url: hyper::Uri, body: Value) -> Result<Measu
     }
     let mut first_token = None;
     let mut buffer = Vec::new();
+    let mut scanner = UsageScanner::new(true);
     while let Some(frame) = response.body_mut().frame().await {
         let frame = frame.map_err(|e| e.to_string())?;
         if let Ok(data) = frame.into_data() {
-            first_token.get_or_insert_with(Instant::now);
+            if first_token.is_none() {
+                let at = Instant::now();
+                first_token = Some(at);
+                let _ = reports.send(Report::FirstToken { id, at });
+            }
+            if let Some(usage) = scanner.feed(&data) {
+                let _ = reports.send(Report::Usage { id, usage });
+            }
             buffer.extend_from_slice(&data);
         }
     }

@@ -1,6 +1,6 @@
 //! The routing hot path: `route` (override check + the policy's choice) per policy and prompt length.
 //!
-//! Run: `cargo bench -p dprouter-core --bench pick`. Load guards are dropped after each pick, so load-based
+//! Run: `cargo bench -p dprouter-core --bench pick`. Tickets are dropped after each pick, so load-based
 //! policies see a steady state rather than an ever-growing count.
 #![allow(clippy::unwrap_used)]
 
@@ -38,7 +38,7 @@ fn pick(c: &mut Criterion) {
     let policy = PolicyConfig::from_name("total_tokens").unwrap().build();
     let req = prompt(4096);
     c.bench_function("dispatch/total_tokens/4096", |b| {
-        b.iter(|| dispatch(policy.as_ref(), &snap, black_box(&req)).unwrap())
+        b.iter(|| dispatch(policy.as_ref(), &snap, black_box(req.clone())).unwrap())
     });
 }
 

@@ -2,7 +2,7 @@
 //!
 //! Pure algorithms, no I/O and no async runtime: the gateway, the simulator and `dprouter route` all run this same
 //! code. Entry point: build a policy from a [`PolicyConfig`], then [`dispatch`] each [`RouteRequest`] against the
-//! current [`Snapshot`].
+//! current [`Snapshot`]; the [`Ticket`] it returns carries the request's feedback.
 
 pub mod block_index;
 pub mod config;
@@ -15,14 +15,17 @@ pub mod prefix_key;
 pub mod prompt;
 pub mod request;
 pub mod request_body;
+pub mod ticket;
+pub mod usage;
 
 pub use config::{ConfigError, InvalidOption, PolicyConfig};
 pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};
 pub use policy::{
-    dispatch, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Dispatch, IndexStats, Pick, Policy,
-    PrefixAffinityConfig,
+    dispatch, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick, Policy,
+    PolicyRef, PrefixAffinityConfig, Prepared, Ticket,
 };
 pub use prefix_key::PrefixWindow;
 pub use request::{Prompt, RouteRequest};
+pub use usage::{Framing, Usage, UsageScanner};

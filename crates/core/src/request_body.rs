@@ -29,6 +29,13 @@ pub const OVERRIDE_FIELDS: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
 #[derive(Debug)]
 pub struct RequestBody {
     pub route: RouteRequest,
+    /// Where its members are, to forward it.
+    pub layout: Layout,
+}
+
+/// Where a body's top-level members are in its bytes, and which ones the worker never sees.
+#[derive(Debug, Clone)]
+pub struct Layout {
     /// Byte range of each top-level member (`"key": value`), in order.
     members: Vec<Range<usize>>,
     /// Which members are rank overrides (the worker never sees the client's).
@@ -87,7 +94,7 @@ impl<'de> Deserialize<'de> for Members<'de> {
 }
 
 /// Parses `bytes` for routing. With `read_overrides` false the client's rank override fields are not read (nor
-/// checked); either way they never reach the worker ([`RequestBody::forwarded`]).
+/// checked); either way they never reach the worker ([`Layout::forwarded`]).
 pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, PromptError> {
     let text = std::str::from_utf8(bytes).map_err(|e| PromptError::InvalidJson(format!("invalid UTF-8: {e}")))?;
     let Members(members) = serde_json::from_str(text).map_err(|e| match e.classify() {
@@ -150,11 +157,13 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
     }
     Ok(RequestBody {
         route,
-        overrides: members
-            .iter()
-            .map(|m| OVERRIDE_FIELDS.contains(&m.key.as_ref()))
-            .collect(),
-        members: spans,
+        layout: Layout {
+            overrides: members
+                .iter()
+                .map(|m| OVERRIDE_FIELDS.contains(&m.key.as_ref()))
+                .collect(),
+            members: spans,
+        },
     })
 }
 
@@ -192,7 +201,7 @@ fn token_ids(raw: &RawValue, field: &'static str) -> Result<Prompt, PromptError>
         })
 }
 
-impl RequestBody {
+impl Layout {
     /// The body for a worker, as slices of `original` (the bytes this was parsed from): every member but the
     /// client's rank overrides, and `rank_member` (e.g. `"routed_dp_rank":3`) first when given. Nothing is copied.
     pub fn forwarded<B: Clone>(
@@ -238,6 +247,7 @@ mod tests {
     fn forwarded(body: &str, rank: Option<&str>) -> String {
         let parsed = parse_body(body.as_bytes(), true).unwrap();
         parsed
+            .layout
             .forwarded(&body.to_string(), rank.map(str::to_owned), |s, r| s[r].to_string())
             .into_iter()
             .map(|p| match p {

@@ -1,12 +1,15 @@
-//! The response body handed to the client: the upstream body, unchanged and unbuffered, holding the request's load
-//! guard until it ends.
+//! The response body handed to the client: the upstream body, unchanged and unbuffered, holding the request's
+//! ticket until it ends.
 //!
 //! Whatever way the exchange ends (the upstream finishes, the upstream breaks, or the client disconnects and hyper
-//! drops this body), the [`LoadGuard`] is dropped exactly once with it, releasing the endpoint's in-flight count,
-//! and dropping the upstream body closes the upstream connection, which cancels the request at the engine. On the
-//! way it records the time to the first byte and releases the request's queued-prefill share there (the engine has
-//! finished its prefill), and keeps the tail of the response to read the engine's usage report (prompt and cached
-//! tokens) at the end, which goes to the metrics and to the policy's `observe`.
+//! drops this body), the [`Ticket`] is dropped exactly once with it, releasing the endpoint's in-flight count, and
+//! dropping the upstream body closes the upstream connection, which cancels the request at the engine. On the way
+//! it records the time to the first byte and tells the ticket (the engine has finished its prefill: the request's
+//! queued-prefill share is released). A non-streamed answer's first byte is the whole answer, so its share is held
+//! until the answer is ready (the engine has then finished that request's prefill too). Every byte also passes
+//! once through a [`UsageScanner`]: the engine's usage report (prompt and cached tokens) goes to the metrics and
+//! to the ticket (the policy's feedback) as soon as it has been read, so a client that hangs up right after it
+//! (the OpenAI SDK reads `[DONE]` and closes) loses nothing.
 //!
 //! Two deadlines bound a response that stalls: its first byte must come by the request's first-byte deadline,
 //! and each later byte within the stream idle timeout of the one before. An upstream body that breaks or stalls
@@ -21,21 +24,15 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use dprouter_core::{EndpointId, LoadGuard};
+use dprouter_core::{EndpointId, Framing, Policy, Ticket, Usage, UsageScanner};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use serde_json::Value;
 use tokio::time::Sleep;
 
 use crate::registry::{Failure, Registry};
 use crate::telemetry;
 
-/// Called once with the engine-reported cached tokens of the request (the policy's `observe`).
-pub type Observer = Box<dyn FnOnce(u64) + Send>;
-
-/// How much of the end of a response is kept for the usage report.
-const TAIL_BYTES: usize = 64 << 10;
-/// Whole JSON (non-streaming) responses up to this size are kept to read their usage.
-const WHOLE_BYTES: usize = 4 << 20;
+/// The ticket of a request the gateway routed.
+pub type GatewayTicket = Ticket<Arc<dyn Policy>>;
 
 /// The error a relayed body ends with.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -55,71 +52,53 @@ pub struct GuardedBody {
     inner: Incoming,
     deadline: Pin<Box<Sleep>>,
     idle: Duration,
-    guard: Option<LoadGuard>,
+    ticket: Option<GatewayTicket>,
     endpoint: EndpointId,
     label: String,
     registry: Arc<Registry>,
-    observer: Option<Observer>,
     received: Instant,
     first_byte: bool,
     sse: bool,
-    tail: Vec<u8>,
-    truncated: bool,
+    scanner: UsageScanner,
     done: bool,
 }
 
 impl GuardedBody {
-    pub fn new(
-        inner: Incoming,
-        guard: LoadGuard,
-        endpoint: EndpointId,
-        registry: Arc<Registry>,
-        observer: Observer,
-        sse: bool,
-        timing: Timing,
-    ) -> Self {
+    pub fn new(inner: Incoming, ticket: GatewayTicket, registry: Arc<Registry>, sse: bool, timing: Timing) -> Self {
+        let endpoint = ticket.endpoint;
         Self {
             inner,
             deadline: Box::pin(tokio::time::sleep_until(timing.first_byte)),
             idle: timing.idle,
-            guard: Some(guard),
+            ticket: Some(ticket),
             endpoint,
             label: endpoint.to_string(),
             registry,
-            observer: Some(observer),
             received: timing.received,
             first_byte: false,
             sse,
-            tail: Vec::new(),
-            truncated: false,
+            scanner: UsageScanner::new(sse),
             done: false,
         }
     }
 
-    fn keep(&mut self, data: &Bytes) {
-        self.tail.extend_from_slice(data);
-        let limit = if self.sse { TAIL_BYTES } else { WHOLE_BYTES };
-        if self.tail.len() > limit {
-            let cut = self.tail.len() - limit;
-            self.tail.drain(..cut);
-            self.truncated = true;
+    /// The engine's usage report was read: to the metrics and to the policy.
+    fn report(&mut self, usage: Usage) {
+        metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
+        if let Some(ticket) = self.ticket.as_mut() {
+            ticket.usage(usage);
         }
     }
 
     fn finish(&mut self) {
         self.done = true;
-        if let Some((prompt, cached)) = usage(&self.tail, self.sse, self.truncated) {
-            metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(prompt);
-            metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(cached);
-            if let Some(observe) = self.observer.take() {
-                observe(cached);
-            }
+        if let Some(usage) = self.scanner.finish() {
+            self.report(usage);
         }
-        self.guard = None;
+        self.ticket = None;
     }
-}
 
-impl GuardedBody {
     /// Ends the response because the upstream broke (`kind` `stream`) or stalled (`timeout`): counts against the
     /// endpoint, releases the load, and ends an SSE stream with an error event, any other body with `err`.
     fn fail(
@@ -132,18 +111,16 @@ impl GuardedBody {
         self.registry
             .record_failure(self.endpoint, Failure::Engine, Instant::now());
         self.done = true;
-        self.guard = None;
+        self.ticket = None;
         if !self.sse {
             return Poll::Ready(Some(Err(err)));
         }
         // End a partial line or event first, then the error event, then a clean end: bytes already written are
         // not lost to a reset.
-        let open = if self.tail.is_empty() || self.tail.ends_with(b"\n\n") {
-            ""
-        } else if self.tail.ends_with(b"\n") {
-            "\n"
-        } else {
-            "\n\n"
+        let open = match self.scanner.framing() {
+            Framing::EventEnded => "",
+            Framing::LineEnded => "\n",
+            Framing::InLine => "\n\n",
         };
         let code = if kind == "timeout" { 504 } else { 502 };
         let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": code}});
@@ -183,16 +160,17 @@ impl Body for GuardedBody {
                     if !this.first_byte && !data.is_empty() {
                         this.first_byte = true;
                         // The engine finished prefill: the request's queued-prefill share is released.
-                        if let Some(guard) = this.guard.as_mut() {
-                            guard.first_token(crate::clock::now_us());
+                        if let Some(ticket) = this.ticket.as_mut() {
+                            ticket.first_token(crate::clock::now_us());
                         }
                         if this.sse {
                             let ttft = this.received.elapsed().as_secs_f64();
                             metrics::histogram!(telemetry::TTFT, "endpoint" => this.label.clone()).record(ttft);
                         }
                     }
-                    let data = data.clone();
-                    this.keep(&data);
+                    if let Some(usage) = this.scanner.feed(data) {
+                        this.report(usage);
+                    }
                     let next = tokio::time::Instant::now() + this.idle;
                     this.deadline.as_mut().reset(next);
                 }
@@ -219,62 +197,5 @@ impl Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-/// `(prompt_tokens, cached_tokens)` from the end of a response: OpenAI `usage` (with
-/// `prompt_tokens_details.cached_tokens`) or SGLang `meta_info`, in the last event that has one.
-pub fn usage(tail: &[u8], sse: bool, truncated: bool) -> Option<(u64, u64)> {
-    let text = std::str::from_utf8(tail).ok().or_else(|| {
-        // The tail may start inside a multi-byte character.
-        let start = tail.iter().position(|b| b.is_ascii())?;
-        std::str::from_utf8(&tail[start..]).ok()
-    })?;
-    let from = |v: &Value| -> Option<(u64, u64)> {
-        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-            let prompt = u.get("prompt_tokens")?.as_u64()?;
-            let cached = u
-                .pointer("/prompt_tokens_details/cached_tokens")
-                .and_then(Value::as_u64)
-                .unwrap_or(0);
-            return Some((prompt, cached));
-        }
-        let meta = v.get("meta_info")?;
-        Some((
-            meta.get("prompt_tokens")?.as_u64()?,
-            meta.get("cached_tokens").and_then(Value::as_u64).unwrap_or(0),
-        ))
-    };
-    if sse {
-        let events: Vec<&str> = text.split("\n\n").collect();
-        events
-            .into_iter()
-            .rev()
-            .filter_map(|e| e.trim().strip_prefix("data:").map(str::trim))
-            .filter(|e| *e != "[DONE]")
-            .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-            .find_map(|v| from(&v))
-    } else if truncated {
-        None
-    } else {
-        from(&serde_json::from_str::<Value>(text).ok()?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn usage_from_openai_sglang_and_streams() {
-        let openai =
-            br#"{"choices": [], "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}}"#;
-        assert_eq!(usage(openai, false, false), Some((100, 64)));
-        assert_eq!(usage(openai, false, true), None, "a truncated JSON body is not parsed");
-        let sglang = br#"{"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 8}}"#;
-        assert_eq!(usage(sglang, false, false), Some((9, 8)));
-        let stream = b"data: {\"choices\": [{\"delta\": {}}], \"usage\": null}\n\ndata: {\"choices\": [], \"usage\": {\"prompt_tokens\": 7}}\n\ndata: [DONE]\n\n";
-        assert_eq!(usage(stream, true, true), Some((7, 0)));
-        assert_eq!(usage(b"data: [DONE]\n\n", true, false), None);
     }
 }

@@ -5,7 +5,6 @@
 //! client's own bytes forwarded as slices (the client's rank override members left out, SGLang's rank member
 //! added), then a streaming copy of the response without buffering. The body is held once.
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -14,14 +13,14 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::request_body::{parse_body, Piece, RequestBody};
-use dprouter_core::{dispatch, Branch, Dispatch, RouteRequest};
+use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
+use dprouter_core::{dispatch, Branch, WorkerId};
 use http_body_util::BodyExt;
 
-use crate::body::{GuardedBody, Observer, Timing};
+use crate::body::{GatewayTicket, GuardedBody, Timing};
 use crate::config::Backend;
 use crate::error::ApiError;
-use crate::registry::{Failure, Membership, Target};
+use crate::registry::{Failure, Target};
 use crate::state::AppState;
 use crate::telemetry;
 use crate::upstream::Chunks;
@@ -123,7 +122,8 @@ fn upstream_request(
     target: &Target,
     path_and_query: &str,
     headers: &HeaderMap,
-    parsed: &Parsed,
+    bytes: &Bytes,
+    layout: &Layout,
 ) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
@@ -144,9 +144,8 @@ fn upstream_request(
         }
         Backend::Openai => None,
     };
-    let pieces = parsed
-        .body
-        .forwarded(&parsed.bytes, rank_member, |b, range| b.slice(range))
+    let pieces = layout
+        .forwarded(bytes, rank_member, |b, range| b.slice(range))
         .into_iter()
         .map(|p| match p {
             Piece::Text(t) => Bytes::from_static(t.as_bytes()),
@@ -157,24 +156,10 @@ fn upstream_request(
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
 }
 
-fn route_once(
-    state: &AppState,
-    membership: &Membership,
-    excluded: &HashSet<usize>,
-    req: &RouteRequest,
-) -> Result<Dispatch, ApiError> {
-    let dispatched = if excluded.is_empty() {
-        dispatch(state.policy.as_ref(), &membership.snapshot, req)
-    } else {
-        let snapshot = membership
-            .snapshot
-            .with_health(|i, e| e.healthy && !excluded.contains(&i));
-        dispatch(state.policy.as_ref(), &snapshot, req)
-    }?;
-    let branch = dispatched.pick.branch.as_str();
-    metrics::counter!(telemetry::DECISIONS, "policy" => state.policy.name(), "branch" => branch).increment(1);
-    state.count_decision(dispatched.pick.branch);
-    Ok(dispatched)
+/// Counts a routing decision (metrics and `GET /workers`).
+fn count_decision(state: &AppState, branch: Branch) {
+    metrics::counter!(telemetry::DECISIONS, "policy" => state.policy.name(), "branch" => branch.as_str()).increment(1);
+    state.count_decision(branch);
 }
 
 async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> Result<Response, ApiError> {
@@ -185,17 +170,21 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         .map_or(parts.uri.path(), |p| p.as_str())
         .to_string();
     let bytes = read_body(state, &parts.headers, body).await?;
-    let mut parsed = parse(state, &parts.headers, bytes).await?;
+    let Parsed {
+        bytes,
+        body: RequestBody { mut route, layout },
+    } = parse(state, &parts.headers, bytes).await?;
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
-    let mut excluded = HashSet::new();
-    let mut attempt = 0;
+    route.now_us = crate::clock::now_us();
+    let mut ticket = dispatch(Arc::clone(&state.policy), &membership.snapshot, route)?;
+    count_decision(state, ticket.pick.branch);
+    // Workers that refused this request's connection.
+    let mut refused: Vec<WorkerId> = Vec::new();
     loop {
-        parsed.body.route.now_us = crate::clock::now_us();
-        let dispatched = route_once(state, &membership, &excluded, &parsed.body.route)?;
-        let target = &membership.targets[dispatched.pick.rank];
+        let target = &membership.targets[ticket.pick.rank];
         let label = target.label();
-        let upstream = upstream_request(target, &path_and_query, &parts.headers, &parsed)?;
+        let upstream = upstream_request(target, &path_and_query, &parts.headers, &bytes, &layout)?;
         let timing = Timing {
             received,
             first_byte: tokio::time::Instant::now() + first_byte_timeout,
@@ -225,9 +214,9 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                         .registry
                         .record_failure(target.id, Failure::Engine, Instant::now());
                 } else if status.is_success() {
-                    state.registry.record_success(target.id);
+                    target.state.record_success();
                 }
-                return Ok(relay(state, response, dispatched, target, parsed.body.route, timing));
+                return Ok(relay(state, response, ticket, target, timing));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -243,22 +232,22 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 };
                 state.registry.record_failure(target.id, failure, Instant::now());
                 // Only a connection that was never made is safe to retry, and never a pinned request.
-                let retry =
-                    err.is_connect() && dispatched.pick.branch != Branch::Override && attempt < state.config.retries;
+                let retry = err.is_connect()
+                    && ticket.pick.branch != Branch::Override
+                    && refused.len() < state.config.retries as usize;
                 if !retry {
                     return Err(ApiError::Upstream {
                         endpoint: label,
                         message,
                     });
                 }
-                attempt += 1;
                 metrics::counter!(telemetry::RETRIES).increment(1);
-                // A refused connection means the whole worker is down: skip all its endpoints.
-                for (i, t) in membership.targets.iter().enumerate() {
-                    if t.id.worker == target.id.worker {
-                        excluded.insert(i);
-                    }
-                }
+                // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
+                // policy forgets that the prompt went there.
+                refused.push(target.id.worker);
+                let accept = |rank: usize| !refused.contains(&membership.targets[rank].id.worker);
+                ticket = ticket.reroute(&membership.snapshot, &accept, crate::clock::now_us())?;
+                count_decision(state, ticket.pick.branch);
             }
         }
     }
@@ -290,9 +279,8 @@ fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration,
 fn relay(
     state: &Arc<AppState>,
     response: hyper::Response<hyper::body::Incoming>,
-    dispatched: Dispatch,
+    ticket: GatewayTicket,
     target: &Target,
-    route: RouteRequest,
     timing: Timing,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
@@ -301,17 +289,7 @@ fn relay(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let (policy_state, pick, endpoint) = (Arc::clone(state), dispatched.pick, target.id);
-    let observer: Observer = Box::new(move |cached| policy_state.policy.observe(endpoint, &route, &pick, cached));
-    let body = GuardedBody::new(
-        incoming,
-        dispatched.guard,
-        target.id,
-        Arc::clone(&state.registry),
-        observer,
-        sse,
-        timing,
-    );
+    let body = GuardedBody::new(incoming, ticket, Arc::clone(&state.registry), sse, timing);
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = parts.status;
     let named_by_connection: Vec<String> = parts

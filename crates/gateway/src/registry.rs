@@ -8,7 +8,8 @@
 //! Health is decided here and only here, in two layers (Envoy's active health checking and outlier detection):
 //! - **Active**: a worker is down after `failure_threshold` failed `GET /health` probes in a row, or after one when
 //!   a request just failed to connect to it or lost its connection (a probe is asked for at once then), and back
-//!   after `success_threshold` good probes. It takes all its endpoints with it.
+//!   after `success_threshold` good probes. It takes all its endpoints with it, and when it comes back its
+//!   endpoints come back in good standing (ejections and failure records cleared: they predate its restart).
 //! - **Passive, per endpoint**: `passive_failure_threshold` failures in a row (5xx answers, refused connections,
 //!   broken streams, first-byte timeouts) eject an outlier (its recent failure rate above twice the median of the
 //!   other routable endpoints' plus [`OUTLIER_MARGIN`]: failures every endpoint sees alike eject nobody) for `base_ejection_ms · 2^(n−1)` (at most
@@ -42,6 +43,8 @@ pub struct Target {
     pub base: String,
     pub backend: Backend,
     pub rank_field: RankField,
+    /// The endpoint's passive-health state, to record a success without the registry's lock.
+    pub state: Arc<EndpointState>,
 }
 
 impl Target {
@@ -78,6 +81,10 @@ struct Outlier {
 /// The weight of one request in an endpoint's recent failure rate (about the last 50 requests count).
 const FAILURE_RATE_WEIGHT: f64 = 0.02;
 
+/// A recent failure rate below this is no failure at all: the endpoint is clean again, and its successes are
+/// recorded with one atomic read (about 350 successes after a single failure).
+const CLEAN_RATE: f64 = 1e-3;
+
 /// An endpoint is an outlier, and may be ejected, only while its recent failure rate is above twice the median of
 /// the other routable endpoints' plus this margin: failures that most endpoints see alike (a bad request mix, an
 /// upstream dependency, faults spread evenly) are not an endpoint's, and ejecting would only cut capacity.
@@ -94,9 +101,40 @@ pub struct EndpointState {
     pub id: EndpointId,
     pub load: Arc<EndpointLoad>,
     outlier: Mutex<Outlier>,
+    /// No failure in its recent record: a success changes nothing and takes no lock.
+    clean: AtomicBool,
 }
 
 impl EndpointState {
+    fn new(id: EndpointId) -> Self {
+        Self {
+            id,
+            load: Arc::new(EndpointLoad::default()),
+            outlier: Mutex::new(Outlier::default()),
+            clean: AtomicBool::new(true),
+        }
+    }
+
+    /// Back in good standing: no ejection, no failures on record.
+    fn readmit(&self) {
+        *self.outlier() = Outlier::default();
+        self.clean.store(true, Relaxed);
+    }
+
+    /// A successful answer: the endpoint's run of failures ends and its recent failure rate decays.
+    pub fn record_success(&self) {
+        if self.clean.load(Relaxed) {
+            return;
+        }
+        let mut o = self.outlier();
+        o.consecutive = 0;
+        o.observe(false);
+        if o.failure_rate < CLEAN_RATE {
+            o.failure_rate = 0.0;
+            self.clean.store(true, Relaxed);
+        }
+    }
+
     fn outlier(&self) -> MutexGuard<'_, Outlier> {
         self.outlier.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -120,7 +158,7 @@ pub struct WorkerState {
     pub rank_field: RankField,
     /// KV cache tokens per rank, when the engine reported it.
     pub kv_capacity: Option<u64>,
-    pub endpoints: Vec<EndpointState>,
+    pub endpoints: Vec<Arc<EndpointState>>,
     active_healthy: AtomicBool,
     /// A request failed to reach it since its last probe: one failed probe confirms it is down.
     suspect: AtomicBool,
@@ -203,13 +241,11 @@ impl Registry {
             rank_field: config.rank_field,
             kv_capacity: info.kv_capacity,
             endpoints: (0..info.dp_size)
-                .map(|rank| EndpointState {
-                    id: EndpointId {
+                .map(|rank| {
+                    Arc::new(EndpointState::new(EndpointId {
                         worker: id,
                         dp_rank: rank,
-                    },
-                    load: Arc::new(EndpointLoad::default()),
-                    outlier: Mutex::new(Outlier::default()),
+                    }))
                 })
                 .collect(),
             active_healthy: AtomicBool::new(true),
@@ -247,6 +283,12 @@ impl Registry {
             let streak = w.probe_successes.fetch_add(1, Relaxed) + 1;
             if streak >= self.health.success_threshold && !w.active_healthy() {
                 w.active_healthy.store(true, Relaxed);
+                // The worker was down and is back (a restart, most often): what its endpoints failed before says
+                // nothing about them now, so their ejections end with it (as Envoy's
+                // `successful_active_health_check_uneject_host`; a worker that stays up keeps them).
+                for e in &w.endpoints {
+                    e.readmit();
+                }
                 tracing::info!(worker = %w.url, "worker healthy");
                 true
             } else {
@@ -296,6 +338,7 @@ impl Registry {
         }
         let allowed = (total * self.health.max_ejection_percent as usize / 100).max(1);
         let mut o = e.outlier();
+        e.clean.store(false, Relaxed);
         o.consecutive += 1;
         o.observe(true);
         // Back from an ejection, an endpoint is on probation: its next failure ejects it again.
@@ -335,17 +378,16 @@ impl Registry {
         self.rebuild(&workers);
     }
 
-    /// Records a successful answer from `endpoint`: its run of failures ends.
+    /// Records a successful answer from `endpoint` ([`EndpointState::record_success`]; the proxy calls that
+    /// directly through the request's [`Target`]).
     pub fn record_success(&self, endpoint: EndpointId) {
-        let workers = self.lock();
-        if let Some(e) = workers
+        let found = self
+            .lock()
             .iter()
             .find(|w| w.id == endpoint.worker)
-            .and_then(|w| w.endpoints.iter().find(|e| e.id == endpoint))
-        {
-            let mut o = e.outlier();
-            o.consecutive = 0;
-            o.observe(false);
+            .and_then(|w| w.endpoints.iter().find(|e| e.id == endpoint).cloned());
+        if let Some(e) = found {
+            e.record_success();
         }
     }
 
@@ -395,6 +437,7 @@ impl Registry {
                     base: w.url.clone(),
                     backend: w.backend,
                     rank_field: w.rank_field,
+                    state: Arc::clone(e),
                 });
             }
         }
@@ -498,6 +541,28 @@ mod tests {
         assert!(healthy(&r).is_empty());
         r.record_probe(w, true);
         assert_eq!(healthy(&r), vec![0, 1]);
+    }
+
+    #[test]
+    fn a_worker_back_from_down_comes_back_with_every_endpoint() {
+        let r = Registry::new(config(2));
+        let w = r.add_worker(&worker("http://a:1"), info(2));
+        let t0 = Instant::now();
+        // Killed: its streams broke and requests were refused before the probes took it down.
+        fail(&r, ep(w, 0), 3, t0);
+        assert_eq!(healthy(&r), vec![1], "ejected");
+        r.record_failure(ep(w, 0), Failure::Connect, t0);
+        r.record_probe(w, false);
+        assert!(healthy(&r).is_empty(), "down (the refused connection made it suspect)");
+        // Restarted well within the ejection time: both endpoints serve again at once.
+        r.record_probe(w, true);
+        r.record_probe(w, true);
+        assert_eq!(healthy(&r), vec![0, 1]);
+        assert_eq!(
+            r.workers()[0].endpoints[0].ejections(),
+            0,
+            "in good standing, not on probation"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Shared gateway state: configuration, membership, the policy, the upstream client, decision counters.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,20 +14,15 @@ use crate::upstream::Upstream;
 pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Arc<Registry>,
-    pub policy: Box<dyn Policy>,
+    pub policy: Arc<dyn Policy>,
     pub upstream: Upstream,
-    /// Routing decisions by branch since start (for `GET /workers`).
-    decisions: Mutex<Decisions>,
+    /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
+    decisions: [AtomicU64; Branch::ALL.len()],
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
     /// workers already serving, when they answer.
     pending: Mutex<Vec<WorkerConfig>>,
     /// Held while a worker is checked against the registered ones and added, so one URL cannot be added twice.
     adding: Mutex<()>,
-}
-
-#[derive(Default)]
-struct Decisions {
-    by_branch: BTreeMap<&'static str, u64>,
 }
 
 /// Why the gateway could not start or add a worker.
@@ -46,12 +42,12 @@ impl AppState {
         config.validate()?;
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
-            policy: config.routing.build(),
+            policy: Arc::from(config.routing.build()),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
             ),
-            decisions: Mutex::new(Decisions::default()),
+            decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
             adding: Mutex::new(()),
             config,
@@ -126,15 +122,15 @@ impl AppState {
     }
 
     pub fn count_decision(&self, branch: Branch) {
-        let mut d = self.decisions.lock().unwrap_or_else(|e| e.into_inner());
-        *d.by_branch.entry(branch.as_str()).or_default() += 1;
+        self.decisions[branch.index()].fetch_add(1, Relaxed);
     }
 
+    /// The branches taken at least once, with their counts.
     pub fn decisions_by_branch(&self) -> BTreeMap<&'static str, u64> {
-        self.decisions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .by_branch
-            .clone()
+        Branch::ALL
+            .iter()
+            .map(|b| (b.as_str(), self.decisions[b.index()].load(Relaxed)))
+            .filter(|&(_, n)| n > 0)
+            .collect()
     }
 }

@@ -4,10 +4,10 @@
 //! Each rank has a [`RadixCache`] and the [`CostModel`]'s timing: requests queue for prefill first come first
 //! served; at prefill start the rank matches the prompt against its cache and pins the hit; the first token comes
 //! `base + uncached / prefill_rate` later, when the prompt is cached; decode follows, and at the end the prompt plus
-//! the answer are cached and the pin released. Routing goes through [`dispatch`], so in-flight load is held by a
-//! [`LoadGuard`] until the request finishes; its queued-prefill share is released ([`LoadGuard::first_token`]) when
-//! prefill completes. At prefill start the policy is told how much of the prompt the rank really had cached
-//! ([`Policy::observe`]), as an engine's `cached_tokens` would. Every `report_interval` (checked at each arrival)
+//! the answer are cached and the pin released. Routing goes through [`dispatch`], as in the gateway: the request's
+//! [`Ticket`] holds its in-flight load until it finishes, releases its queued-prefill share
+//! ([`Ticket::first_token`]) when prefill completes, and at prefill start tells the policy how much of the prompt
+//! the rank really had cached ([`Ticket::usage`]), as an engine's `cached_tokens` would. Every `report_interval` (checked at each arrival)
 //! every rank publishes an [`EngineReport`] (running + waiting requests; pinned KV plus queued prompt tokens), as
 //! SGLang's schedulers do. Ranks are endpoints `(worker 0, dp_rank)` with the cost model's KV capacity.
 //!
@@ -24,7 +24,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::sync::Arc;
 
 use dprouter_core::{
-    dispatch, Branch, Endpoint, EndpointId, EndpointLoad, EngineReport, LoadGuard, Pick, Policy, RouteRequest, Snapshot,
+    dispatch, Branch, Endpoint, EndpointId, EndpointLoad, EngineReport, Policy, RouteRequest, Snapshot, Ticket, Usage,
 };
 
 use crate::cost::{CostModel, Micros};
@@ -117,15 +117,14 @@ enum Event {
     DecodeDue(u64),
 }
 
-struct Live {
+struct Live<'a> {
     req: SimRequest,
     open_loop: bool,
     /// The simulated rank (the endpoint's `dp_rank`, whatever its snapshot position).
     rank: usize,
     branch: Branch,
-    /// What the policy saw and decided, for its feedback.
-    routed: Option<(RouteRequest, Pick, EndpointId)>,
-    guard: Option<LoadGuard>,
+    /// The request's ticket: its load, and the way its feedback reaches the policy.
+    ticket: Option<Ticket<&'a dyn Policy>>,
     lock: Option<LockId>,
     cached: usize,
     first_token: Micros,
@@ -148,7 +147,7 @@ struct Sim<'a> {
     loads: Vec<Arc<EndpointLoad>>,
     oracle: Oracle,
     ranks: Vec<Rank>,
-    live: Vec<Option<Live>>,
+    live: Vec<Option<Live<'a>>>,
     free: Vec<usize>,
     events: BinaryHeap<Reverse<(Micros, u64, Event)>>,
     seq: u64,
@@ -235,7 +234,7 @@ pub fn simulate(
     Ok(sim.outcome)
 }
 
-impl Sim<'_> {
+impl<'a> Sim<'a> {
     fn schedule(&mut self, at: Micros, event: Event) {
         self.seq += 1;
         self.events.push(Reverse((at, self.seq, event)));
@@ -258,8 +257,7 @@ impl Sim<'_> {
             open_loop,
             rank: 0,
             branch: Branch::Turn,
-            routed: None,
-            guard: None,
+            ticket: None,
             lock: None,
             cached: 0,
             first_token: 0,
@@ -284,7 +282,7 @@ impl Sim<'_> {
         }
     }
 
-    fn release(&mut self, slot: usize) -> Option<Live> {
+    fn release(&mut self, slot: usize) -> Option<Live<'a>> {
         let live = self.live.get_mut(slot)?.take();
         self.free.push(slot);
         live
@@ -324,13 +322,12 @@ impl Sim<'_> {
         let route_req = RouteRequest::tokens(live.req.tokens.clone())
             .with_bootstrap_room(live.req.bootstrap_room(self.config.seed))
             .at(now);
-        match dispatch(self.policy, &self.snap, &route_req) {
-            Ok(d) => {
-                let r = d.endpoint.dp_rank as usize;
+        match dispatch(self.policy, &self.snap, route_req) {
+            Ok(ticket) => {
+                let r = ticket.endpoint.dp_rank as usize;
                 live.rank = r;
-                live.branch = d.pick.branch;
-                live.guard = Some(d.guard);
-                live.routed = Some((route_req, d.pick, d.endpoint));
+                live.branch = ticket.pick.branch;
+                live.ticket = Some(ticket);
                 let rank = &mut self.ranks[r];
                 rank.queue.push_back(slot);
                 rank.queued_tokens += live.req.tokens.len() as u64;
@@ -354,8 +351,12 @@ impl Sim<'_> {
         let cached = rank.cache.match_prefix(&live.req.tokens);
         live.lock = Some(rank.cache.lock(&live.req.tokens, cached));
         live.cached = cached;
-        if let Some((req, pick, endpoint)) = &live.routed {
-            self.policy.observe(*endpoint, req, pick, cached as u64);
+        // The engine knows what it had cached when it starts the prefill.
+        if let Some(ticket) = live.ticket.as_mut() {
+            ticket.usage(Usage {
+                prompt_tokens: live.req.tokens.len() as u64,
+                cached_tokens: cached as u64,
+            });
         }
         rank.prefilling = Some(slot);
         let done = now + self.config.cost.prefill(live.req.tokens.len() - cached);
@@ -370,8 +371,8 @@ impl Sim<'_> {
         self.decode.prefill_ended(now);
         if let Some(live) = self.live[slot].as_mut() {
             live.first_token = now;
-            if let Some(guard) = live.guard.as_mut() {
-                guard.first_token(now);
+            if let Some(ticket) = live.ticket.as_mut() {
+                ticket.first_token(now);
             }
             rank.cache.insert(&live.req.tokens);
             let pin = rank.cache.lock(&live.req.tokens, live.req.tokens.len());
@@ -411,7 +412,7 @@ impl Sim<'_> {
             rank.cache.unlock(lock);
         }
         // Releases this request's in-flight load.
-        live.guard = None;
+        live.ticket = None;
         self.outcome.records.push(RequestRecord {
             id: live.req.id,
             group: live.req.group,

@@ -3,7 +3,8 @@
 //!
 //! Algorithm, per request:
 //! 1. Hash the prompt's whole blocks, chained ([`crate::hashing::block_hashes`]; `block_tokens` tokens, or
-//!    `4 · block_tokens` bytes of a text prompt).
+//!    `4 · block_tokens` bytes of a text prompt), once per request ([`Policy::prepare`]; the request's ticket
+//!    keeps them for its retries and feedback).
 //! 2. Look the blocks up in the [`BlockIndex`]: for every endpoint, how many leading blocks it holds, so how many
 //!    prompt tokens it has cached (`cached`, at most the prompt length − 1: the engine recomputes the last token).
 //! 3. For every healthy endpoint predict
@@ -28,9 +29,11 @@
 //!    Cache affinity and load balance come from one cost, with no hit or miss thresholds. The choice is greedy,
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
 //!    (`docs/measurements.md`, "Agents that arrive apart").
-//! 4. [`Policy::routed`] (every decision, rank overrides included) records the prompt's blocks for the chosen
-//!    endpoint; each endpoint forgets its least recently used blocks beyond its KV capacity
-//!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`).
+//! 4. Record the prompt's blocks for the chosen endpoint, under the same lock as the look-up (a rank override:
+//!    [`Policy::pinned`]); each endpoint forgets its least recently used blocks beyond its KV capacity
+//!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`). A request
+//!    whose connection was refused and that is routed again ([`Policy::retract`]) is forgotten at the endpoint
+//!    that never got it, past what the endpoint held before.
 //! 5. [`Policy::observe`]: when the engine reports it held fewer cached tokens than the pick predicted, the
 //!    endpoint loses the prompt's blocks past what it held (`correct_on_feedback`). This repairs an index that
 //!    believes too much (an engine restarted or flushed, a capacity set too high). When the engine does cache the
@@ -42,8 +45,8 @@
 //!
 //! State: the index is keyed by stable [`EndpointId`]s through slots; the rank-to-slot table and capacities are
 //! rebuilt when the snapshot's generation changes, never per request; endpoints that left the snapshot are
-//! forgotten then. One `std::sync::Mutex` guards it, held only for the index look-up or update (hashing happens
-//! outside). Cost per request: O(prompt) hashing, O(blocks × holders) look-ups, O(healthy endpoints) to compare
+//! forgotten then. One `std::sync::Mutex` guards it, taken once per decision (look-up, choice and record) and
+//! once per correction, never while hashing. Cost per request: O(prompt) hashing, O(blocks × holders) look-ups, O(healthy endpoints) to compare
 //! predictions; memory O(Σ capacity in blocks), ~50 bytes a block, see [`CacheAware::index_stats`].
 //!
 //! References: SGLang's router `cache_aware` policy (an approximate radix tree per worker, with balance
@@ -59,7 +62,7 @@ use crate::block_index::BlockIndex;
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
-use crate::policy::{Branch, Pick, Policy, RoundRobin};
+use crate::policy::{Branch, Candidates, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -256,29 +259,33 @@ impl Policy for CacheAware {
         "cache_aware"
     }
 
-    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
-        if req.prompt.is_empty() {
-            return self.empty.next(snap, Branch::Empty);
+    fn prepare(&self, req: &RouteRequest) -> Prepared {
+        Prepared {
+            block_hashes: self.hashes(&req.prompt),
         }
-        let hashes = self.hashes(&req.prompt);
-        let matched: Vec<(usize, usize)> = {
-            let mut state = self.lock();
-            self.sync(&mut state, snap);
-            let mut lens = vec![0u32; state.index.slot_count()];
-            state.index.match_lengths(&hashes, &mut lens);
-            snap.healthy()
-                .iter()
-                .map(|&r| (r, lens[state.slot_of_rank[r]] as usize))
-                .collect()
-        };
+    }
+
+    fn choose(&self, c: &Candidates<'_>, req: &RouteRequest, prepared: &Prepared) -> Result<Pick, RouteError> {
+        if req.prompt.is_empty() {
+            return self.empty.next(c, Branch::Empty);
+        }
+        let snap = c.snap();
+        let hashes = &prepared.block_hashes;
         let key = hashes
             .first()
             .copied()
             .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX));
-        let best_match = matched.iter().map(|m| m.1).max().unwrap_or(0);
-        let (rank, blocks, uncached) = matched
+        // One lock for the look-up, the choice and the record of where the prompt went.
+        let mut state = self.lock();
+        self.sync(&mut state, snap);
+        let mut lens = vec![0u32; state.index.slot_count()];
+        state.index.match_lengths(hashes, &mut lens);
+        let blocks_at = |r: usize| lens[state.slot_of_rank[r]] as usize;
+        let best_match = c.iter().map(blocks_at).max().unwrap_or(0);
+        let (rank, blocks, uncached) = c
             .iter()
-            .map(|&(r, blocks)| {
+            .map(|r| {
+                let blocks = blocks_at(r);
                 let load = snap.load(r);
                 let uncached = req.input_tokens - self.cached_tokens(req, blocks);
                 let ttft = self.predicted_ttft_us(
@@ -305,6 +312,10 @@ impl Policy for CacheAware {
             .min_by_key(|(order, _)| *order)
             .map(|(_, chosen)| chosen)
             .ok_or(RouteError::NoHealthyEndpoint)?;
+        if !hashes.is_empty() {
+            let slot = state.slot_of_rank[rank];
+            state.index.record(slot, hashes);
+        }
         let branch = match (best_match, blocks) {
             (0, _) => Branch::Cold,
             (best, got) if got == best => Branch::Hit,
@@ -313,30 +324,47 @@ impl Policy for CacheAware {
         Ok(Pick::new(rank, branch).with_prefill(uncached))
     }
 
-    fn routed(&self, snap: &Snapshot, req: &RouteRequest, pick: &Pick) {
-        let hashes = self.hashes(&req.prompt);
+    fn pinned(&self, snap: &Snapshot, _req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
         let mut state = self.lock();
         self.sync(&mut state, snap);
-        if let Some(&slot) = state.slot_of_rank.get(pick.rank).filter(|_| !hashes.is_empty()) {
-            state.index.record(slot, &hashes);
+        if let Some(&slot) = state
+            .slot_of_rank
+            .get(pick.rank)
+            .filter(|_| !prepared.block_hashes.is_empty())
+        {
+            state.index.record(slot, &prepared.block_hashes);
         }
     }
 
-    fn observe(&self, endpoint: EndpointId, req: &RouteRequest, pick: &Pick, cached_tokens: u64) {
+    fn observe(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, pick: &Pick, cached_tokens: u64) {
         let Some(prefill) = pick.prefill_tokens else { return };
         let predicted = req.input_tokens.saturating_sub(prefill);
-        if !self.config.correct_on_feedback || cached_tokens >= predicted {
-            return;
+        if self.config.correct_on_feedback && cached_tokens < predicted {
+            self.forget_past(endpoint, req, prepared, cached_tokens);
         }
+    }
+
+    fn retract(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
+        // What the endpoint held before this request: the pick's prediction (an override predicts nothing, so
+        // the whole prompt is forgotten there).
+        let held = pick
+            .prefill_tokens
+            .map_or(0, |prefill| req.input_tokens.saturating_sub(prefill));
+        self.forget_past(endpoint, req, prepared, held);
+    }
+}
+
+impl CacheAware {
+    /// `endpoint` holds no more than `cached_tokens` of `req`'s prompt: it loses the prompt's blocks past them.
+    fn forget_past(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, cached_tokens: u64) {
         let units_per_token = match req.prompt {
             Prompt::Tokens(_) => 1,
             Prompt::Bytes(_) => BYTES_PER_TOKEN as usize,
         };
         let held = cached_tokens as usize * units_per_token / self.block_units(&req.prompt);
-        let hashes = self.hashes(&req.prompt);
         let mut state = self.lock();
         if let Some(&slot) = state.slots.get(&endpoint) {
-            state.index.forget_from(slot, &hashes, held);
+            state.index.forget_from(slot, &prepared.block_hashes, held);
         }
     }
 }
@@ -347,6 +375,13 @@ mod tests {
     use crate::endpoint::Endpoint;
     use crate::policy::testing::{empty_requests, ranks};
     use crate::policy::{dispatch, route};
+
+    fn usage(prompt_tokens: u64, cached_tokens: u64) -> crate::usage::Usage {
+        crate::usage::Usage {
+            prompt_tokens,
+            cached_tokens,
+        }
+    }
 
     fn policy() -> CacheAware {
         CacheAware::new(CacheAwareConfig {
@@ -401,15 +436,15 @@ mod tests {
         let snap = Snapshot::single_worker(2);
         let p = CacheAware::new(slow_engine());
         let shared = prompt(3, 5000);
-        let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
-        let b = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+        let a = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+        let b = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
         assert_eq!((a.pick.branch, b.pick.branch), (Branch::Cold, Branch::Spill));
         assert_ne!(a.pick.rank, b.pick.rank);
         assert_eq!(snap.load(b.pick.rank).queued_prefill_tokens(), 5010);
         // Once both have their first tokens, a third goes to a warm endpoint: the longer match at equal cost.
         let (mut a, mut b) = (a, b);
-        a.guard.first_token(0);
-        b.guard.first_token(0);
+        a.first_token(0);
+        b.first_token(0);
         let c = route(&p, &snap, &RouteRequest::tokens([shared, vec![3; 10]].concat())).unwrap();
         assert_eq!((c.branch, c.prefill_tokens), (Branch::Hit, Some(10)));
     }
@@ -425,7 +460,7 @@ mod tests {
             let a = dispatch(
                 &p,
                 &snap,
-                &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat()).at(0),
+                RouteRequest::tokens([shared.clone(), vec![1; 10]].concat()).at(0),
             )
             .unwrap();
             let b = route(
@@ -462,10 +497,10 @@ mod tests {
                 congestion_weight: weight,
                 ..slow_engine()
             });
-            let a = dispatch(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+            let a = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
             let (x, y) = (a.pick.rank as i64, 1 - a.pick.rank as i64);
-            let c = dispatch(&p, &snap, &RouteRequest::tokens(prompt(8, 1000)).with_override(x)).unwrap();
-            let z = dispatch(&p, &snap, &RouteRequest::tokens(prompt(9, 10)).with_override(y)).unwrap();
+            let c = dispatch(&p, &snap, RouteRequest::tokens(prompt(8, 1000)).with_override(x)).unwrap();
+            let z = dispatch(&p, &snap, RouteRequest::tokens(prompt(9, 10)).with_override(y)).unwrap();
             let b = route(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
             let expected = if branch == Branch::Hit { x } else { y };
             assert_eq!((b.rank as i64, b.branch), (expected, branch), "weight {weight}");
@@ -478,17 +513,42 @@ mod tests {
         let snap = Snapshot::single_worker(4);
         let p = policy();
         let req = RouteRequest::tokens(prompt(4, 640));
-        route(&p, &snap, &req.clone().with_override(2)).unwrap();
+        let mut pinned = dispatch(&p, &snap, req.clone().with_override(2)).unwrap();
+        pinned.first_token(0);
         assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
-        let pick = route(&p, &snap, &req).unwrap();
+        let mut hit = dispatch(&p, &snap, req.clone()).unwrap();
+        let pick = hit.pick;
         assert_eq!((pick.rank, pick.branch, pick.prefill_tokens), (2, Branch::Hit, Some(1)));
         // The engine held only 100 tokens: endpoint 2 keeps 6 blocks (96 tokens) of this prompt.
-        p.observe(snap.endpoints()[2].id, &req, &pick, 100);
+        hit.usage(usage(640, 100));
+        drop(hit);
         assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
-        // Holding at least what was predicted changes nothing; neither does a pick without a prediction.
-        p.observe(snap.endpoints()[2].id, &req, &Pick::new(2, Branch::Override), 0);
-        p.observe(snap.endpoints()[2].id, &req, &pick, 639);
+        // A pick without a prediction changes nothing.
+        pinned.usage(usage(640, 0));
         assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
+        // The next request goes there again and is recorded whole; holding what was predicted changes nothing.
+        let mut again = dispatch(&p, &snap, req.clone()).unwrap();
+        assert_eq!((again.pick.rank, again.pick.prefill_tokens), (2, Some(640 - 96)));
+        again.usage(usage(640, 96));
+        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+    }
+
+    #[test]
+    fn a_rerouted_request_is_forgotten_where_it_never_went() {
+        let snap = Snapshot::single_worker(4);
+        let p = policy();
+        let req = RouteRequest::tokens(prompt(5, 640));
+        // Endpoint 1 holds the first 10 blocks; the request goes there first.
+        drop(dispatch(&p, &snap, RouteRequest::tokens(prompt(5, 160)).with_override(1)).unwrap());
+        let ticket = dispatch(&p, &snap, req.clone()).unwrap();
+        assert_eq!(ticket.pick.rank, 1);
+        assert_eq!(p.predicted_cached(&snap, &req)[1], 639);
+        // Its connection was refused: it goes elsewhere, and endpoint 1 keeps only what it held before.
+        let ticket = ticket.reroute(&snap, &|r| r != 1, 0).unwrap();
+        assert_ne!(ticket.pick.rank, 1);
+        let cached = p.predicted_cached(&snap, &req);
+        assert_eq!(cached[1], 160);
+        assert_eq!(cached[ticket.pick.rank], 639);
     }
 
     #[test]
@@ -567,10 +627,10 @@ mod tests {
             for (seed, len, pin) in requests {
                 let mut req = RouteRequest::tokens(prompt(seed, len));
                 req.rank_override = pin.filter(|&r| (r as usize) < capacities.len());
-                let pick = route(&p, &snap, &req).unwrap();
-                p.observe(snap.endpoints()[pick.rank].id, &req, &pick, (seed as u64 * 37) % 200);
+                dispatch(&p, &snap, req.clone()).unwrap().usage(usage(len as u64, (seed as u64 * 37) % 200));
                 let stats = p.index_stats();
-                proptest::prop_assert_eq!(stats.capacity_blocks, capacity_blocks);
+                // (The index learns the membership from its first non-empty prompt.)
+                proptest::prop_assert!(stats.capacity_blocks == capacity_blocks || stats.blocks == 0, "{:?}", stats);
                 proptest::prop_assert!(stats.blocks <= stats.capacity_blocks, "{:?}", stats);
                 for (r, &cached) in p.predicted_cached(&snap, &req).iter().enumerate() {
                     proptest::prop_assert!(cached <= capacities[r], "rank {} holds {} of capacity {}", r, cached, capacities[r]);

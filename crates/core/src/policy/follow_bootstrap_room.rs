@@ -4,9 +4,8 @@
 //! is an error, and so is a room whose rank is down: sending it elsewhere would break the KV transfer pairing.
 //! O(1) per request.
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
-use crate::policy::{Branch, Pick, Policy};
+use crate::policy::{Branch, Candidates, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 
 #[derive(Debug, Default)]
@@ -17,10 +16,15 @@ impl Policy for FollowBootstrapRoom {
         "follow_bootstrap_room"
     }
 
-    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
+    fn choose(
+        &self,
+        candidates: &Candidates<'_>,
+        req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Result<Pick, RouteError> {
         let room = req.bootstrap_room.ok_or(RouteError::MissingBootstrapRoom)?;
-        let rank = (room % snap.len() as u64) as usize;
-        if !snap.is_healthy(rank) {
+        let rank = (room % candidates.snap().len() as u64) as usize;
+        if !candidates.contains(rank) {
             return Err(RouteError::BootstrapRankDown { room, rank });
         }
         Ok(Pick::new(rank, Branch::Hashed))
@@ -30,6 +34,7 @@ impl Policy for FollowBootstrapRoom {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::policy::route;
 
     #[test]

@@ -1,20 +1,20 @@
 //! The routing policy trait and the one entry point every front end calls.
 //!
-//! [`route`] applies a client's rank override first (for every policy: it wins, is range- and health-checked, never
-//! advances a policy's counters and is never counted speculatively), then asks the policy. [`dispatch`] also takes
-//! the request's share of the endpoint's load in a [`LoadGuard`]. Policies never see down endpoints as candidates:
-//! they choose among [`Snapshot::healthy`].
+//! [`dispatch`] applies a client's rank override first (for every policy: it wins, is range- and health-checked,
+//! never advances a policy's counters and is never counted speculatively), then asks the policy, and returns a
+//! [`Ticket`] holding the request's share of the endpoint's load. Policies never see down endpoints as candidates:
+//! they choose among [`Candidates`], the snapshot's healthy endpoints less any a retry refused.
 //!
-//! Feedback hooks (default no-ops): `route` calls [`Policy::routed`] after every decision, overrides included, so
-//! a cache-aware policy records where each prompt went; the front end calls [`Policy::observe`] when the engine
-//! reports how much of a routed prompt it had cached (SGLang's `cached_tokens`).
-
-use std::sync::Arc;
+//! Feedback reaches a policy only through the ticket: [`Ticket::first_token`] (the queued-prefill share is
+//! released), [`Ticket::usage`] (the engine said how much of the prompt it had cached: [`Policy::observe`]),
+//! [`Ticket::reroute`] (the endpoint never got the request: [`Policy::retract`], then a new decision), and its drop
+//! (the request ended).
 
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
-use crate::load::LoadGuard;
 use crate::request::RouteRequest;
+
+pub use crate::ticket::{dispatch, PolicyRef, Ticket};
 
 pub mod cache_aware;
 pub mod follow_bootstrap_room;
@@ -58,6 +58,25 @@ pub enum Branch {
 }
 
 impl Branch {
+    /// Every branch, in the order of [`Branch::index`].
+    pub const ALL: [Branch; 10] = [
+        Branch::Override,
+        Branch::Turn,
+        Branch::LeastLoaded,
+        Branch::Hashed,
+        Branch::Fallback,
+        Branch::Empty,
+        Branch::Affine,
+        Branch::Spill,
+        Branch::Hit,
+        Branch::Cold,
+    ];
+
+    /// The branch's position in [`Branch::ALL`] (for per-branch counters in an array).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             Branch::Override => "override",
@@ -99,37 +118,151 @@ impl Pick {
     }
 }
 
+/// Per-request work a policy does once, before the request's first decision, and gets back in every later hook
+/// of that request (a retry's decision, the engine's feedback): `cache_aware` keeps the prompt's block hashes here.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prepared {
+    pub block_hashes: Vec<u64>,
+}
+
+/// The endpoints a policy may choose in one decision: the snapshot's healthy endpoints that `accept` lets through
+/// (a retry refuses the worker that failed it), without building another snapshot.
+#[derive(Clone, Copy)]
+pub struct Candidates<'a> {
+    snap: &'a Snapshot,
+    accept: Option<&'a dyn Fn(usize) -> bool>,
+}
+
+impl<'a> Candidates<'a> {
+    /// Every healthy endpoint of `snap`.
+    pub fn all(snap: &'a Snapshot) -> Self {
+        Self { snap, accept: None }
+    }
+
+    /// The healthy endpoints of `snap` whose global rank `accept` lets through.
+    pub fn accepting(snap: &'a Snapshot, accept: &'a dyn Fn(usize) -> bool) -> Self {
+        Self {
+            snap,
+            accept: Some(accept),
+        }
+    }
+
+    pub fn snap(&self) -> &'a Snapshot {
+        self.snap
+    }
+
+    pub fn contains(&self, rank: usize) -> bool {
+        self.snap.is_healthy(rank) && self.accept.is_none_or(|accept| accept(rank))
+    }
+
+    /// The candidates' global ranks, ascending.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + 'a {
+        let accept = self.accept;
+        self.snap
+            .healthy()
+            .iter()
+            .copied()
+            .filter(move |&r| accept.is_none_or(|accept| accept(r)))
+    }
+
+    pub fn count(&self) -> usize {
+        match self.accept {
+            None => self.snap.healthy().len(),
+            Some(_) => self.iter().count(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count() == 0
+    }
+
+    /// The `n`-th candidate in rank order.
+    pub fn nth(&self, n: usize) -> Option<usize> {
+        match self.accept {
+            None => self.snap.healthy().get(n).copied(),
+            Some(_) => self.iter().nth(n),
+        }
+    }
+}
+
+impl std::fmt::Debug for Candidates<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
 /// A load-balancing method.
 ///
-/// `choose` is called only for requests without a rank override, with a snapshot that has at least one healthy
-/// endpoint, and must return a healthy endpoint's rank. Implementations use interior mutability (atomics, short
-/// locks) and are shared across threads.
+/// `choose` is called only for requests without a rank override, with at least one candidate, and must return a
+/// candidate's rank. Implementations use interior mutability (atomics, short locks) and are shared across threads.
+///
+/// Every hook of one request gets the same [`Prepared`], made once by `prepare`. Front ends do not call the hooks
+/// themselves: [`dispatch`] calls `prepare`, `choose` or `pinned`, and the [`Ticket`] it returns carries the
+/// request's feedback (`observe`, `retract`), so every front end (gateway, simulator, bench client) feeds a policy
+/// the same way.
 pub trait Policy: Send + Sync {
     /// The config name (`round_robin`, `prefix_match`, …).
     fn name(&self) -> &'static str;
 
-    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError>;
+    /// Work done once per request, before its first decision.
+    fn prepare(&self, _req: &RouteRequest) -> Prepared {
+        Prepared::default()
+    }
 
-    /// Called by [`route`] after every successful decision, rank overrides included: `req` goes to `pick.rank`.
-    fn routed(&self, _snap: &Snapshot, _req: &RouteRequest, _pick: &Pick) {}
+    /// Chooses among `candidates`; a policy that keeps state records its decision here, in the same step.
+    fn choose(&self, candidates: &Candidates<'_>, req: &RouteRequest, prepared: &Prepared) -> Result<Pick, RouteError>;
+
+    /// A client's rank override sent `req` to `pick.rank`: record it as `choose` records its own decisions.
+    fn pinned(&self, _snap: &Snapshot, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
 
     /// Engine feedback: `endpoint` had `cached_tokens` of `req`'s prompt in its prefix cache when it started it
-    /// (SGLang `meta_info.cached_tokens`, OpenAI `usage.prompt_tokens_details.cached_tokens`). `pick` is the
-    /// decision that sent it there. Call it once per request, as soon as the number is known.
-    fn observe(&self, _endpoint: EndpointId, _req: &RouteRequest, _pick: &Pick, _cached_tokens: u64) {}
+    /// (SGLang `meta_info.cached_tokens`, OpenAI `usage.prompt_tokens_details.cached_tokens`, llama.cpp
+    /// `timings.cache_n`). `pick` is the decision that sent it there. Called at most once per request, as soon as
+    /// the number is known.
+    fn observe(
+        &self,
+        _endpoint: EndpointId,
+        _req: &RouteRequest,
+        _prepared: &Prepared,
+        _pick: &Pick,
+        _cached_tokens: u64,
+    ) {
+    }
+
+    /// The request never reached `endpoint` (its connection was refused) and is routed again: `endpoint` did not
+    /// get its prompt.
+    fn retract(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
 }
 
-/// Routes one request: the override if the client gave one, otherwise the policy's choice; then tells the policy
-/// ([`Policy::routed`]).
-pub fn route(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
-    let pick = match req.rank_override {
-        Some(rank) => override_pick(snap, rank)?,
-        None if snap.healthy().is_empty() => return Err(RouteError::NoHealthyEndpoint),
-        None => policy.choose(snap, req)?,
-    };
-    debug_assert!(snap.is_healthy(pick.rank), "{} chose a down endpoint", policy.name());
-    policy.routed(snap, req, &pick);
+/// One decision: the override if the client gave one (range- and health-checked against the snapshot, never
+/// against `accept`), otherwise the policy's choice among the candidates.
+pub fn decide(
+    policy: &dyn Policy,
+    candidates: &Candidates<'_>,
+    req: &RouteRequest,
+    prepared: &Prepared,
+) -> Result<Pick, RouteError> {
+    let snap = candidates.snap();
+    if let Some(rank) = req.rank_override {
+        let pick = override_pick(snap, rank)?;
+        policy.pinned(snap, req, prepared, &pick);
+        return Ok(pick);
+    }
+    if candidates.is_empty() {
+        return Err(RouteError::NoHealthyEndpoint);
+    }
+    let pick = policy.choose(candidates, req, prepared)?;
+    debug_assert!(
+        candidates.contains(pick.rank),
+        "{} chose a non-candidate",
+        policy.name()
+    );
     Ok(pick)
+}
+
+/// Routes one request among all healthy endpoints of `snap` (tools and tests; front ends use [`dispatch`]).
+pub fn route(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
+    decide(policy, &Candidates::all(snap), req, &policy.prepare(req))
 }
 
 fn override_pick(snap: &Snapshot, rank: i64) -> Result<Pick, RouteError> {
@@ -143,51 +276,27 @@ fn override_pick(snap: &Snapshot, rank: i64) -> Result<Pick, RouteError> {
     Ok(Pick::new(index, Branch::Override))
 }
 
-/// A routed request holding its share of the endpoint's load until dropped.
-#[derive(Debug)]
-pub struct Dispatch {
-    pub pick: Pick,
-    pub endpoint: EndpointId,
-    pub guard: LoadGuard,
-}
-
-/// [`route`], then counts the request in flight at the chosen endpoint (speculatively too, unless overridden) and
-/// its predicted uncached tokens (the whole prompt without a prediction) as queued prefill, at the request's
-/// `now_us`. The front end calls [`LoadGuard::first_token`] on the guard when the first token arrives.
-pub fn dispatch(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Dispatch, RouteError> {
-    let pick = route(policy, snap, req)?;
-    let endpoint = &snap.endpoints()[pick.rank];
-    let guard = LoadGuard::acquire_with_prefill(
-        Arc::clone(&endpoint.load),
-        req.input_tokens,
-        pick.prefill_tokens.unwrap_or(req.input_tokens),
-        pick.branch != Branch::Override,
-        req.now_us,
-    );
-    Ok(Dispatch {
-        pick,
-        endpoint: endpoint.id,
-        guard,
-    })
-}
-
-/// The healthy rank with the smallest `key`, ties to the lowest rank. `None` only if none is healthy.
-pub(crate) fn argmin_healthy<K: Ord>(snap: &Snapshot, key: impl Fn(usize) -> K) -> Option<usize> {
-    // `min_by_key` returns the first minimum, and `healthy()` is in ascending rank order.
-    snap.healthy().iter().copied().min_by_key(|&r| key(r))
+/// The candidate with the smallest `key`, ties to the lowest rank. `None` only if there is none.
+pub(crate) fn argmin<K: Ord>(candidates: &Candidates<'_>, key: impl Fn(usize) -> K) -> Option<usize> {
+    // `min_by_key` returns the first minimum, and candidates come in ascending rank order.
+    candidates.iter().min_by_key(|&r| key(r))
 }
 
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
 
-    /// Routes every request through `dispatch` and returns the ranks with the load guards: as long as the caller
+    /// Routes every request through `dispatch` and returns the ranks with the tickets: as long as the caller
     /// holds them, it is as if no request completed.
-    pub fn ranks(policy: &dyn Policy, snap: &Snapshot, reqs: &[RouteRequest]) -> (Vec<usize>, Vec<LoadGuard>) {
+    pub fn ranks<'a>(
+        policy: &'a dyn Policy,
+        snap: &Snapshot,
+        reqs: &[RouteRequest],
+    ) -> (Vec<usize>, Vec<Ticket<&'a dyn Policy>>) {
         reqs.iter()
             .map(|r| {
-                let d = dispatch(policy, snap, r).unwrap();
-                (d.pick.rank, d.guard)
+                let d = dispatch(policy, snap, r.clone()).unwrap();
+                (d.pick.rank, d)
             })
             .unzip()
     }
@@ -201,6 +310,13 @@ pub(crate) mod testing {
 mod tests {
     use super::*;
     use crate::config::PolicyConfig;
+
+    #[test]
+    fn branch_indices_follow_all() {
+        for (i, b) in Branch::ALL.iter().enumerate() {
+            assert_eq!(b.index(), i, "{}", b.as_str());
+        }
+    }
     use crate::load::EngineReport;
     use proptest::prelude::*;
 
@@ -220,10 +336,10 @@ mod tests {
                 let mut held = Vec::new();
                 for (ids, room) in &prompts {
                     let req = RouteRequest::tokens(ids.clone()).with_bootstrap_room(*room);
-                    match dispatch(policy.as_ref(), &snap, &req) {
+                    match dispatch(policy.as_ref(), &snap, req.clone()) {
                         Ok(d) => {
                             prop_assert!(snap.is_healthy(d.pick.rank), "{} picked down rank {}", name, d.pick.rank);
-                            held.push(d.guard);
+                            held.push(d);
                         }
                         Err(e) => prop_assert!(
                             snap.healthy().is_empty() || matches!(e, RouteError::BootstrapRankDown { .. }),
@@ -276,10 +392,10 @@ mod tests {
     fn dispatch_counts_overrides_in_flight_but_not_speculatively() {
         let snap = Snapshot::single_worker(2);
         let policy = TotalRequests;
-        let pinned = dispatch(&policy, &snap, &RouteRequest::tokens(vec![1, 2]).with_override(0)).unwrap();
+        let pinned = dispatch(&policy, &snap, RouteRequest::tokens(vec![1, 2]).with_override(0)).unwrap();
         assert_eq!(snap.load(0).in_flight_requests(), 1);
         assert_eq!(snap.load(0).view().requests, 0);
-        let chosen = dispatch(&policy, &snap, &RouteRequest::tokens(vec![1, 2])).unwrap();
+        let chosen = dispatch(&policy, &snap, RouteRequest::tokens(vec![1, 2])).unwrap();
         assert_eq!(chosen.pick.rank, 0, "the override did not count toward total_requests");
         assert_eq!(snap.load(0).view().requests, 1);
         drop((pinned, chosen));

@@ -33,11 +33,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
 use crate::hashing::{prefix_hash, rendezvous_score};
 use crate::load::EndpointLoad;
-use crate::policy::{Branch, Pick, Policy, RoundRobin};
+use crate::policy::{Branch, Candidates, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest};
 
 /// What `prefix_affinity` bounds.
@@ -128,22 +127,20 @@ impl Policy for PrefixAffinity {
         "prefix_affinity"
     }
 
-    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
+    fn choose(&self, c: &Candidates<'_>, req: &RouteRequest, _prepared: &Prepared) -> Result<Pick, RouteError> {
+        let snap = c.snap();
         if req.prompt.is_empty() {
-            return self.empty.next(snap, Branch::Empty);
+            return self.empty.next(c, Branch::Empty);
         }
         let key = self.key(&req.prompt);
         let measure = self.config.load;
         let score = |r: usize| rendezvous_score(key, snap.endpoints()[r].id);
         // (score, load) of every healthy endpoint, in rank order.
-        let mut candidates: Vec<(u64, u64, usize)> = snap
-            .healthy()
-            .iter()
-            .map(|&r| (score(r), measure.of(snap.load(r)), r))
-            .collect();
+        let mut candidates: Vec<(u64, u64, usize)> =
+            c.iter().map(|r| (score(r), measure.of(snap.load(r)), r)).collect();
         let top_is_down = (0..snap.len())
             .max_by_key(|&r| score(r))
-            .is_some_and(|r| !snap.is_healthy(r));
+            .is_some_and(|r| !c.contains(r));
         let w = measure.weight(req);
         let total: u64 = candidates.iter().map(|c| c.1).sum();
         let bound = self.bound(total, w, candidates.len());
@@ -171,6 +168,7 @@ impl Policy for PrefixAffinity {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::endpoint::{Endpoint, EndpointId};
     use crate::load::LoadGuard;
     use crate::policy::testing::{empty_requests, ranks};
@@ -237,9 +235,9 @@ mod tests {
         let home = route(&policy, &snap, &req).unwrap().rank;
         let (mut used, mut decoding) = (std::collections::HashSet::new(), Vec::new());
         for _ in 0..6 {
-            let d = dispatch(&policy, &snap, &req).unwrap();
+            let d = dispatch(&policy, &snap, req.clone()).unwrap();
             used.insert(d.pick.rank);
-            decoding.push(d.guard);
+            decoding.push(d);
         }
         // Each of the six still waits for its first token, so they spread...
         assert!(used.len() > 1, "{used:?}");
@@ -316,10 +314,11 @@ mod tests {
             let snap = Snapshot::single_worker(n);
             let load = if prefill { AffinityLoad::Prefill } else { AffinityLoad::Requests };
             let policy = PrefixAffinity::new(PrefixAffinityConfig { epsilon, load, ..PrefixAffinityConfig::default() });
-            let mut held: Vec<LoadGuard> = Vec::new();
+            let mut preloaded: Vec<LoadGuard> = Vec::new();
+            let mut held = Vec::new();
             for (r, &k) in preload.iter().take(n as usize).enumerate() {
                 for _ in 0..k {
-                    held.push(LoadGuard::acquire(Arc::clone(&snap.endpoints()[r].load), 1, false));
+                    preloaded.push(LoadGuard::acquire(Arc::clone(&snap.endpoints()[r].load), 1, false));
                 }
             }
             // Few distinct keys: hot keys that must spill.
@@ -327,9 +326,9 @@ mod tests {
                 let loads: Vec<u64> = (0..n as usize).map(|r| load.of(snap.load(r))).collect();
                 let bound = policy.bound(loads.iter().sum(), 1, n as usize);
                 prop_assume!(loads.iter().any(|&l| l < bound));
-                let d = dispatch(&policy, &snap, &request(k)).unwrap();
+                let d = dispatch(&policy, &snap, request(k)).unwrap();
                 prop_assert!(loads[d.pick.rank] < bound, "rank {} at {} with bound {}", d.pick.rank, loads[d.pick.rank], bound);
-                held.push(d.guard);
+                held.push(d);
             }
         }
     }

@@ -6,9 +6,8 @@
 //! to the next healthy rank in rank order (wrapping), so only that rank's keys move. Cost per request: hashing at
 //! most 16 KiB plus, when the rank is down, a walk over the ranks.
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
-use crate::policy::{Branch, Pick, Policy, RoundRobin};
+use crate::policy::{Branch, Candidates, Pick, Policy, Prepared, RoundRobin};
 use crate::prefix_key::PrefixWindow;
 use crate::request::RouteRequest;
 
@@ -32,18 +31,23 @@ impl Policy for PrefixMatch {
         "prefix_match"
     }
 
-    fn choose(&self, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
+    fn choose(
+        &self,
+        candidates: &Candidates<'_>,
+        req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Result<Pick, RouteError> {
         if req.prompt.is_empty() {
-            return self.empty.next(snap, Branch::Empty);
+            return self.empty.next(candidates, Branch::Empty);
         }
-        let n = snap.len();
+        let n = candidates.snap().len();
         let home = (self.window.key(&req.prompt) % n as u64) as usize;
-        if snap.is_healthy(home) {
+        if candidates.contains(home) {
             return Ok(Pick::new(home, Branch::Hashed));
         }
         (1..n)
             .map(|step| (home + step) % n)
-            .find(|&r| snap.is_healthy(r))
+            .find(|&r| candidates.contains(r))
             .map(|r| Pick::new(r, Branch::Fallback))
             .ok_or(RouteError::NoHealthyEndpoint)
     }
@@ -52,6 +56,7 @@ impl Policy for PrefixMatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::policy::route;
     use crate::policy::testing::{empty_requests, ranks};
     use crate::request::Prompt;

@@ -6,9 +6,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
-use crate::policy::{Branch, Pick, Policy};
+use crate::policy::{Branch, Candidates, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 
 #[derive(Debug, Default)]
@@ -18,14 +17,17 @@ pub struct RoundRobin {
 
 impl RoundRobin {
     /// The next turn among the healthy endpoints, labelled `branch`. Shared by policies that fall back to it.
-    pub(crate) fn next(&self, snap: &Snapshot, branch: Branch) -> Result<Pick, RouteError> {
-        let healthy = snap.healthy();
-        if healthy.is_empty() {
+    pub(crate) fn next(&self, candidates: &Candidates<'_>, branch: Branch) -> Result<Pick, RouteError> {
+        let n = candidates.count();
+        if n == 0 {
             return Err(RouteError::NoHealthyEndpoint);
         }
         let turn = self.counter.fetch_add(1, Relaxed);
-        let slot = (turn % healthy.len() as u64) as usize;
-        Ok(Pick::new(healthy[slot], branch))
+        let slot = (turn % n as u64) as usize;
+        candidates
+            .nth(slot)
+            .map(|rank| Pick::new(rank, branch))
+            .ok_or(RouteError::NoHealthyEndpoint)
     }
 }
 
@@ -34,14 +36,20 @@ impl Policy for RoundRobin {
         "round_robin"
     }
 
-    fn choose(&self, snap: &Snapshot, _req: &RouteRequest) -> Result<Pick, RouteError> {
-        self.next(snap, Branch::Turn)
+    fn choose(
+        &self,
+        candidates: &Candidates<'_>,
+        _req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Result<Pick, RouteError> {
+        self.next(candidates, Branch::Turn)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::policy::testing::{empty_requests, ranks};
     use proptest::prelude::*;
 

@@ -4,9 +4,8 @@
 //! request per dispatch since it, so a burst between two reports spreads out instead of piling onto one rank
 //! (SGLang's `DPBudget`). O(healthy endpoints) per request.
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
-use crate::policy::{argmin_healthy, Branch, Pick, Policy};
+use crate::policy::{argmin, Branch, Candidates, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 
 #[derive(Debug, Default)]
@@ -17,8 +16,14 @@ impl Policy for TotalRequests {
         "total_requests"
     }
 
-    fn choose(&self, snap: &Snapshot, _req: &RouteRequest) -> Result<Pick, RouteError> {
-        argmin_healthy(snap, |r| snap.load(r).view().requests)
+    fn choose(
+        &self,
+        candidates: &Candidates<'_>,
+        _req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Result<Pick, RouteError> {
+        let snap = candidates.snap();
+        argmin(candidates, |r| snap.load(r).view().requests)
             .map(|r| Pick::new(r, Branch::LeastLoaded))
             .ok_or(RouteError::NoHealthyEndpoint)
     }
@@ -27,6 +32,7 @@ impl Policy for TotalRequests {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::load::EngineReport;
     use crate::policy::dispatch;
     use crate::policy::testing::{empty_requests, ranks};
@@ -45,7 +51,7 @@ mod tests {
     fn picks_least_loaded_and_counts_it_speculatively() {
         let snap = Snapshot::single_worker(4);
         report(&snap, &[5, 3, 1, 4], 1);
-        let d = dispatch(&TotalRequests, &snap, &RouteRequest::tokens(vec![7])).unwrap();
+        let d = dispatch(&TotalRequests, &snap, RouteRequest::tokens(vec![7])).unwrap();
         assert_eq!(d.pick, Pick::new(2, Branch::LeastLoaded));
         assert_eq!(snap.load(2).view().requests, 2);
     }

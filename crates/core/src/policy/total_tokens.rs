@@ -4,9 +4,8 @@
 //! Tokens are the engine's used KV plus pending prompt tokens; each dispatch since the last report adds its prompt
 //! length and one request speculatively (SGLang's `DPBudget`). O(healthy endpoints) per request.
 
-use crate::endpoint::Snapshot;
 use crate::error::RouteError;
-use crate::policy::{argmin_healthy, Branch, Pick, Policy};
+use crate::policy::{argmin, Branch, Candidates, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 
 #[derive(Debug, Default)]
@@ -17,8 +16,14 @@ impl Policy for TotalTokens {
         "total_tokens"
     }
 
-    fn choose(&self, snap: &Snapshot, _req: &RouteRequest) -> Result<Pick, RouteError> {
-        argmin_healthy(snap, |r| {
+    fn choose(
+        &self,
+        candidates: &Candidates<'_>,
+        _req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Result<Pick, RouteError> {
+        let snap = candidates.snap();
+        argmin(candidates, |r| {
             let view = snap.load(r).view();
             (view.tokens, view.requests)
         })
@@ -30,6 +35,7 @@ impl Policy for TotalTokens {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::endpoint::Snapshot;
     use crate::load::EngineReport;
     use crate::policy::testing::ranks;
 

@@ -1,0 +1,265 @@
+//! The ticket of one routed request: the only way feedback about it reaches the policy.
+//!
+//! [`dispatch`] prepares the request once ([`Policy::prepare`]: `cache_aware` hashes the prompt's blocks there and
+//! nowhere else), decides, and takes the request's share of the endpoint's load. The [`Ticket`] it returns owns
+//! all of that until the request ends: the front end tells it when the first token came ([`Ticket::first_token`]),
+//! what the engine reported ([`Ticket::usage`]), or that the endpoint never got the request
+//! ([`Ticket::reroute`]); dropping it ends the request and releases its load. The gateway, the simulator and the
+//! bench client all hold one ticket per request, so a policy learns the same things in the same order from each.
+
+use std::sync::Arc;
+
+use crate::endpoint::{EndpointId, Snapshot};
+use crate::error::RouteError;
+use crate::load::LoadGuard;
+use crate::policy::{decide, Branch, Candidates, Pick, Policy, Prepared};
+use crate::request::RouteRequest;
+use crate::usage::Usage;
+
+/// How a ticket reaches its policy: a reference (the simulator, tools) or a shared pointer (the gateway, whose
+/// tickets outlive the handler that routed them).
+pub trait PolicyRef: Clone {
+    fn policy(&self) -> &dyn Policy;
+}
+
+impl<T: Policy> PolicyRef for &T {
+    fn policy(&self) -> &dyn Policy {
+        *self
+    }
+}
+
+impl PolicyRef for &dyn Policy {
+    fn policy(&self) -> &dyn Policy {
+        *self
+    }
+}
+
+impl PolicyRef for Arc<dyn Policy> {
+    fn policy(&self) -> &dyn Policy {
+        self.as_ref()
+    }
+}
+
+/// A routed request, holding its share of the endpoint's load until dropped.
+#[must_use = "dropping the ticket ends the request at once"]
+pub struct Ticket<P: PolicyRef> {
+    /// The decision.
+    pub pick: Pick,
+    /// The endpoint `pick.rank` named in the snapshot it was made with.
+    pub endpoint: EndpointId,
+    policy: P,
+    guard: LoadGuard,
+    req: RouteRequest,
+    prepared: Prepared,
+    reported: bool,
+}
+
+impl<P: PolicyRef> std::fmt::Debug for Ticket<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("policy", &self.policy.policy().name())
+            .field("pick", &self.pick)
+            .field("endpoint", &self.endpoint)
+            .field("reported", &self.reported)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Routes `req` among the healthy endpoints of `snap`: the client's override if it gave one, otherwise the
+/// policy's choice. The ticket counts the request in flight at the endpoint (speculatively too, unless
+/// overridden) and its predicted uncached tokens (the whole prompt without a prediction) as queued prefill, at the
+/// request's `now_us`.
+pub fn dispatch<P: PolicyRef>(policy: P, snap: &Snapshot, req: RouteRequest) -> Result<Ticket<P>, RouteError> {
+    let prepared = policy.policy().prepare(&req);
+    issue(policy, &Candidates::all(snap), req, prepared)
+}
+
+fn issue<P: PolicyRef>(
+    policy: P,
+    candidates: &Candidates<'_>,
+    req: RouteRequest,
+    prepared: Prepared,
+) -> Result<Ticket<P>, RouteError> {
+    let pick = decide(policy.policy(), candidates, &req, &prepared)?;
+    let endpoint = &candidates.snap().endpoints()[pick.rank];
+    let guard = LoadGuard::acquire_with_prefill(
+        Arc::clone(&endpoint.load),
+        req.input_tokens,
+        pick.prefill_tokens.unwrap_or(req.input_tokens),
+        pick.branch != Branch::Override,
+        req.now_us,
+    );
+    Ok(Ticket {
+        pick,
+        endpoint: endpoint.id,
+        policy,
+        guard,
+        req,
+        prepared,
+        reported: false,
+    })
+}
+
+impl<P: PolicyRef> Ticket<P> {
+    /// The request as it was routed.
+    pub fn request(&self) -> &RouteRequest {
+        &self.req
+    }
+
+    /// The first token arrived at `now_us` (the request's clock): the request's queued-prefill share is released
+    /// and the endpoint's next queued request begins its prefill. Only the first call has an effect.
+    pub fn first_token(&mut self, now_us: u64) {
+        self.guard.first_token(now_us);
+    }
+
+    /// The engine's usage report: the policy learns how much of the prompt the endpoint had cached. Only the first
+    /// report of a request counts; returns whether this one did.
+    pub fn usage(&mut self, usage: Usage) -> bool {
+        if std::mem::replace(&mut self.reported, true) {
+            return false;
+        }
+        self.policy.policy().observe(
+            self.endpoint,
+            &self.req,
+            &self.prepared,
+            &self.pick,
+            usage.cached_tokens,
+        );
+        true
+    }
+
+    /// The endpoint never got the request (its connection was refused): the policy forgets that it went there,
+    /// its load is released, and the request is routed again at `now_us` among the healthy endpoints of `snap` that
+    /// `accept` lets through. A client's rank override names the same rank again.
+    pub fn reroute(self, snap: &Snapshot, accept: &dyn Fn(usize) -> bool, now_us: u64) -> Result<Self, RouteError> {
+        let Ticket {
+            pick,
+            endpoint,
+            policy,
+            guard,
+            mut req,
+            prepared,
+            ..
+        } = self;
+        policy.policy().retract(endpoint, &req, &prepared, &pick);
+        drop(guard);
+        req.now_us = now_us;
+        issue(policy, &Candidates::accepting(snap, accept), req, prepared)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::PolicyConfig;
+    use crate::policy::{Candidates, RoundRobin};
+    use std::sync::Mutex;
+
+    /// Records every hook it gets, choosing the first candidate.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Mutex<Vec<String>>,
+    }
+
+    impl Policy for Recorder {
+        fn name(&self) -> &'static str {
+            "recorder"
+        }
+
+        fn prepare(&self, req: &RouteRequest) -> Prepared {
+            self.calls.lock().unwrap().push("prepare".into());
+            Prepared {
+                block_hashes: vec![req.input_tokens],
+            }
+        }
+
+        fn choose(&self, c: &Candidates<'_>, _req: &RouteRequest, prepared: &Prepared) -> Result<Pick, RouteError> {
+            let rank = c.iter().next().ok_or(RouteError::NoHealthyEndpoint)?;
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("choose {rank} {:?}", prepared.block_hashes));
+            Ok(Pick::new(rank, Branch::Turn).with_prefill(1))
+        }
+
+        fn observe(&self, e: EndpointId, _req: &RouteRequest, prepared: &Prepared, _pick: &Pick, cached: u64) {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("observe {e} {cached} {:?}", prepared.block_hashes));
+        }
+
+        fn retract(&self, e: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {
+            self.calls.lock().unwrap().push(format!("retract {e}"));
+        }
+    }
+
+    fn usage(cached_tokens: u64) -> Usage {
+        Usage {
+            prompt_tokens: 3,
+            cached_tokens,
+        }
+    }
+
+    #[test]
+    fn a_ticket_prepares_once_and_reports_once() {
+        let policy = Recorder::default();
+        let snap = Snapshot::single_worker(3);
+        let ticket = dispatch(&policy, &snap, RouteRequest::tokens(vec![1, 2, 3])).unwrap();
+        assert_eq!(snap.load(0).in_flight_requests(), 1);
+        // The worker of rank 0 refused the connection: the retry refuses rank 0 and keeps the prepared hashes.
+        let mut ticket = ticket.reroute(&snap, &|r| r != 0, 7).unwrap();
+        assert_eq!(ticket.pick.rank, 1);
+        assert_eq!(ticket.request().now_us, 7);
+        assert_eq!(
+            snap.load(0).in_flight_requests(),
+            0,
+            "the failed endpoint's load is released"
+        );
+        assert_eq!(snap.load(0).queued_prefill_requests(), 0);
+        assert_eq!(snap.load(1).queued_prefill_requests(), 1);
+        ticket.first_token(8);
+        assert_eq!(snap.load(1).queued_prefill_requests(), 0);
+        assert!(ticket.usage(usage(2)));
+        assert!(!ticket.usage(usage(3)), "one report per request");
+        drop(ticket);
+        assert_eq!(snap.load(1).in_flight_requests(), 0);
+        assert_eq!(
+            *policy.calls.lock().unwrap(),
+            [
+                "prepare",
+                "choose 0 [3]",
+                "retract w0r0",
+                "choose 1 [3]",
+                "observe w0r1 2 [3]"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_reroute_with_no_candidate_left_is_an_error_and_releases_the_load() {
+        let snap = Snapshot::single_worker(2);
+        let policy = RoundRobin::default();
+        let ticket = dispatch(&policy, &snap, RouteRequest::text("x")).unwrap();
+        assert_eq!(
+            ticket.reroute(&snap, &|_| false, 0).unwrap_err(),
+            RouteError::NoHealthyEndpoint
+        );
+        assert_eq!(snap.load(0).in_flight_requests() + snap.load(1).in_flight_requests(), 0);
+    }
+
+    #[test]
+    fn tickets_work_through_every_kind_of_policy_reference() {
+        let snap = Snapshot::single_worker(2);
+        let shared: Arc<dyn Policy> = Arc::from(PolicyConfig::from_name("cache_aware").unwrap().build());
+        let borrowed: &dyn Policy = shared.as_ref();
+        let concrete = RoundRobin::default();
+        let a = dispatch(Arc::clone(&shared), &snap, RouteRequest::text("hello")).unwrap();
+        let b = dispatch(borrowed, &snap, RouteRequest::text("hello")).unwrap();
+        let c = dispatch(&concrete, &snap, RouteRequest::text("hello")).unwrap();
+        let in_flight = |r| snap.load(r).in_flight_requests();
+        assert_eq!(in_flight(0) + in_flight(1), 3);
+        drop((a, b, c));
+        assert_eq!(in_flight(0) + in_flight(1), 0);
+    }
+}

@@ -1,0 +1,562 @@
+//! Reading an engine's usage report (prompt and cached tokens) from its response as the bytes pass by.
+//!
+//! A response is relayed in pieces and never kept: [`UsageScanner`] looks at each piece once, in bounded memory,
+//! and yields the report as soon as it has been read, which for a stream is before the stream ends (SGLang puts
+//! `meta_info` in every event; OpenAI-style engines put `usage` in the last event before `[DONE]`, which clients
+//! like the OpenAI SDK read and then hang up on).
+//!
+//! Where the numbers are, per engine:
+//! - OpenAI-style `usage` (vLLM, SGLang `/v1/*`, llama.cpp): `prompt_tokens`, and the cached part in
+//!   `prompt_tokens_details.cached_tokens` (0 when absent: engines omit it when nothing was cached or when the
+//!   feature is off, such as vLLM without `--enable-prompt-tokens-details`).
+//! - SGLang `/generate`: `meta_info.prompt_tokens` and `meta_info.cached_tokens`.
+//! - llama.cpp: `timings.prompt_n` (tokens evaluated) and `timings.cache_n` (tokens reused from its cache); the
+//!   prompt is their sum. A llama.cpp stream carries no `usage` unless the client set
+//!   `stream_options.include_usage`, but its last event always has `timings`.
+//!
+//! Only top-level members of a JSON body, or of an SSE event's `data:` JSON, count: the same names inside a
+//! message's content or a tool's arguments are skipped. A top-level member's value is kept while it is read, up to
+//! [`MAX_MEMBER_BYTES`] (a usage report is a few hundred bytes); everything else is passed over without copying.
+//!
+//! Cost: one pass over the bytes; outside strings byte by byte, inside strings a `memchr` jump to the next quote
+//! or backslash. Once a report is found the scanner stops looking (its framing state stays current).
+
+use memchr::{memchr, memchr2};
+use serde::Deserialize;
+
+/// Prompt tokens and how many of them the engine had cached, as the engine reported them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+/// The most bytes of one top-level member (`usage`, `meta_info`, `timings`) kept to parse it.
+pub const MAX_MEMBER_BYTES: usize = 64 << 10;
+
+/// Where a relayed SSE stream stands, for a gateway that must end it with an event of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// Nothing sent yet, or the last event ended (a blank line).
+    EventEnded,
+    /// A line ended but its event did not.
+    LineEnded,
+    /// Inside a line.
+    InLine,
+}
+
+/// Reads the usage report of one response, fed in pieces (see the module documentation).
+#[derive(Debug)]
+pub struct UsageScanner {
+    sse: bool,
+    found: bool,
+    /// SSE: the current line's state.
+    line: Line,
+    /// The JSON object being read (the whole body, or the current event's data).
+    json: TopLevel,
+    /// The last two bytes seen (SSE framing).
+    last: [u8; 2],
+    seen: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Line {
+    /// At the start of a line, `n` bytes of `data:` matched so far.
+    Start(u8),
+    /// In a `data:` line: its bytes go to the JSON reader.
+    Data,
+    /// In any other line (`event:`, `id:`, a comment): skipped.
+    Other,
+}
+
+const DATA: &[u8] = b"data:";
+
+impl UsageScanner {
+    /// A scanner for an SSE stream (`text/event-stream`) or, with `sse = false`, for one JSON body.
+    pub fn new(sse: bool) -> Self {
+        Self {
+            sse,
+            found: false,
+            line: Line::Start(0),
+            json: TopLevel::default(),
+            last: [b'\n', b'\n'],
+            seen: 0,
+        }
+    }
+
+    /// Reads the next piece of the response; returns the report when this piece completes it (once per response).
+    pub fn feed(&mut self, data: &[u8]) -> Option<Usage> {
+        match data {
+            [] => {}
+            [b] => self.last = [self.last[1], *b],
+            [.., a, b] => self.last = [*a, *b],
+        }
+        self.seen += data.len() as u64;
+        if self.found {
+            return None;
+        }
+        let report = if self.sse {
+            self.feed_sse(data)
+        } else {
+            self.json.feed(data);
+            if self.json.complete() {
+                std::mem::take(&mut self.json).report()
+            } else {
+                None
+            }
+        };
+        self.found = report.is_some();
+        report
+    }
+
+    /// The response ended: a report completed only by its end (an SSE line with no final newline).
+    pub fn finish(&mut self) -> Option<Usage> {
+        if self.found || !self.sse || self.line != Line::Data {
+            return None;
+        }
+        self.line = Line::Start(0);
+        let report = std::mem::take(&mut self.json).report();
+        self.found = report.is_some();
+        report
+    }
+
+    /// Whether the report was read.
+    pub fn found(&self) -> bool {
+        self.found
+    }
+
+    /// Where an SSE stream stands after the bytes fed so far.
+    pub fn framing(&self) -> Framing {
+        match self.last {
+            _ if self.seen == 0 => Framing::EventEnded,
+            [b'\n', b'\n'] => Framing::EventEnded,
+            [_, b'\n'] => Framing::LineEnded,
+            _ => Framing::InLine,
+        }
+    }
+
+    fn feed_sse(&mut self, mut data: &[u8]) -> Option<Usage> {
+        while !data.is_empty() {
+            match self.line {
+                Line::Start(matched) => {
+                    let matched = usize::from(matched);
+                    if data[0] == b'\n' {
+                        data = &data[1..];
+                        self.line = Line::Start(0);
+                        continue;
+                    }
+                    let want = &DATA[matched..];
+                    let n = want.len().min(data.len());
+                    if data[..n] != want[..n] {
+                        self.line = Line::Other;
+                        continue;
+                    }
+                    data = &data[n..];
+                    self.line = if matched + n == DATA.len() {
+                        self.json = TopLevel::default();
+                        Line::Data
+                    } else {
+                        Line::Start((matched + n) as u8)
+                    };
+                }
+                Line::Other => match memchr(b'\n', data) {
+                    Some(end) => {
+                        data = &data[end + 1..];
+                        self.line = Line::Start(0);
+                    }
+                    None => return None,
+                },
+                Line::Data => {
+                    let end = memchr(b'\n', data);
+                    let (this, rest) = match end {
+                        Some(end) => (&data[..end], &data[end + 1..]),
+                        None => (data, &data[data.len()..]),
+                    };
+                    self.json.feed(this);
+                    data = rest;
+                    if end.is_some() {
+                        self.line = Line::Start(0);
+                        if let Some(report) = std::mem::take(&mut self.json).report() {
+                            return Some(report);
+                        }
+                    }
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Which top-level member is being kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Member {
+    Usage,
+    MetaInfo,
+    Timings,
+}
+
+impl Member {
+    fn from_key(key: &[u8]) -> Option<Self> {
+        match key {
+            b"usage" => Some(Member::Usage),
+            b"meta_info" => Some(Member::MetaInfo),
+            b"timings" => Some(Member::Timings),
+            _ => None,
+        }
+    }
+}
+
+/// The longest key compared (`meta_info`); longer keys are not interesting.
+const KEY_BYTES: usize = 9;
+
+/// Follows one JSON value's structure incrementally and keeps the values of its interesting top-level members.
+#[derive(Debug, Default)]
+struct TopLevel {
+    /// Open objects and arrays; the top-level object's members are at depth 1.
+    depth: u32,
+    in_string: bool,
+    /// A backslash ended the last piece inside a string.
+    escaped: bool,
+    /// At depth 1, the next string is a key.
+    expect_key: bool,
+    /// The string being read is a depth-1 key.
+    reading_key: bool,
+    key: [u8; KEY_BYTES],
+    /// Bytes of the key read; more than `KEY_BYTES` (or an escape) makes it uninteresting.
+    key_len: usize,
+    /// An interesting key was read; its value starts after the colon.
+    pending: Option<Member>,
+    /// The member whose value is being kept, and the bytes so far; `None` in the buffer once it grew too long.
+    keeping: Option<(Member, Option<Vec<u8>>)>,
+    /// The top-level value ended.
+    done: bool,
+    usage: Option<UsageMember>,
+    meta_info: Option<MetaInfoMember>,
+    timings: Option<TimingsMember>,
+}
+
+#[derive(Debug, Deserialize)]
+struct UsageMember {
+    prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Debug, Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct MetaInfoMember {
+    prompt_tokens: Option<u64>,
+    cached_tokens: Option<u64>,
+}
+
+#[derive(Debug, Deserialize)]
+struct TimingsMember {
+    prompt_n: Option<u64>,
+    cache_n: Option<u64>,
+}
+
+impl TopLevel {
+    fn complete(&self) -> bool {
+        self.done
+    }
+
+    fn feed(&mut self, data: &[u8]) {
+        let mut i = 0;
+        // Where in `data` the kept member's bytes start.
+        let mut keep_from = self.keeping.as_ref().map(|_| 0);
+        while i < data.len() && !self.done {
+            if self.in_string {
+                if self.escaped {
+                    self.escaped = false;
+                    i += 1;
+                    continue;
+                }
+                match memchr2(b'"', b'\\', &data[i..]) {
+                    None => {
+                        self.key_bytes(&data[i..]);
+                        i = data.len();
+                    }
+                    Some(off) => {
+                        let at = i + off;
+                        self.key_bytes(&data[i..at]);
+                        if data[at] == b'\\' {
+                            // An escaped key is none of ours.
+                            self.key_len = KEY_BYTES + 1;
+                            self.escaped = true;
+                        } else {
+                            self.in_string = false;
+                            if self.reading_key {
+                                self.reading_key = false;
+                                self.pending = if self.key_len <= KEY_BYTES {
+                                    Member::from_key(&self.key[..self.key_len])
+                                } else {
+                                    None
+                                };
+                            }
+                        }
+                        i = at + 1;
+                    }
+                }
+                continue;
+            }
+            match data[i] {
+                b'"' => {
+                    self.in_string = true;
+                    self.reading_key = self.depth == 1 && self.expect_key;
+                    self.key_len = 0;
+                }
+                b'{' | b'[' => {
+                    self.depth += 1;
+                    if self.depth == 1 {
+                        self.expect_key = data[i] == b'{';
+                    }
+                }
+                b'}' | b']' => {
+                    if self.depth == 1 {
+                        self.end_member(data, &mut keep_from, i);
+                        self.done = true;
+                    }
+                    self.depth = self.depth.saturating_sub(1);
+                }
+                b':' if self.depth == 1 => {
+                    self.expect_key = false;
+                    if let Some(member) = self.pending.take() {
+                        self.keeping = Some((member, Some(Vec::new())));
+                        keep_from = Some(i + 1);
+                    }
+                }
+                b',' if self.depth == 1 => {
+                    self.end_member(data, &mut keep_from, i);
+                    self.expect_key = true;
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        if let Some(from) = keep_from {
+            self.keep(&data[from.min(data.len())..]);
+        }
+    }
+
+    fn key_bytes(&mut self, bytes: &[u8]) {
+        if !self.reading_key {
+            return;
+        }
+        let end = self.key_len + bytes.len();
+        if end <= KEY_BYTES {
+            self.key[self.key_len..end].copy_from_slice(bytes);
+        }
+        self.key_len = end;
+    }
+
+    fn keep(&mut self, bytes: &[u8]) {
+        if let Some((_, buffer)) = &mut self.keeping {
+            if let Some(kept) = buffer {
+                if kept.len() + bytes.len() > MAX_MEMBER_BYTES {
+                    *buffer = None;
+                } else {
+                    kept.extend_from_slice(bytes);
+                }
+            }
+        }
+    }
+
+    /// The member being kept (if any) ended at `data[end]`: parse it.
+    fn end_member(&mut self, data: &[u8], keep_from: &mut Option<usize>, end: usize) {
+        let Some(from) = keep_from.take() else { return };
+        self.keep(&data[from.min(end)..end]);
+        let Some((member, Some(bytes))) = self.keeping.take() else {
+            return;
+        };
+        match member {
+            Member::Usage => self.usage = serde_json::from_slice(&bytes).ok(),
+            Member::MetaInfo => self.meta_info = serde_json::from_slice(&bytes).ok(),
+            Member::Timings => self.timings = serde_json::from_slice(&bytes).ok(),
+        }
+    }
+
+    /// The report of a complete object: `usage` with its cached tokens, else llama.cpp's `timings`, else
+    /// `usage` alone (nothing cached), else SGLang's `meta_info`.
+    fn report(self) -> Option<Usage> {
+        if !self.done {
+            return None;
+        }
+        let usage = self.usage.and_then(|u| {
+            let cached = u.prompt_tokens_details.and_then(|d| d.cached_tokens);
+            Some((u.prompt_tokens?, cached))
+        });
+        let timings = self.timings.and_then(|t| {
+            let cached = t.cache_n.unwrap_or(0);
+            Some(Usage {
+                prompt_tokens: t.prompt_n?.checked_add(cached)?,
+                cached_tokens: cached,
+            })
+        });
+        let meta = self.meta_info.and_then(|m| {
+            Some(Usage {
+                prompt_tokens: m.prompt_tokens?,
+                cached_tokens: m.cached_tokens.unwrap_or(0),
+            })
+        });
+        match (usage, timings) {
+            (Some((prompt_tokens, Some(cached_tokens))), _) => Some(Usage {
+                prompt_tokens,
+                cached_tokens,
+            }),
+            (_, Some(timings)) => Some(timings),
+            (Some((prompt_tokens, None)), None) => Some(Usage {
+                prompt_tokens,
+                cached_tokens: 0,
+            }),
+            (None, None) => meta,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn whole(body: &[u8], sse: bool) -> Option<Usage> {
+        let mut s = UsageScanner::new(sse);
+        s.feed(body).or_else(|| s.finish())
+    }
+
+    fn usage(prompt_tokens: u64, cached_tokens: u64) -> Option<Usage> {
+        Some(Usage {
+            prompt_tokens,
+            cached_tokens,
+        })
+    }
+
+    #[test]
+    fn reads_openai_sglang_and_llama_cpp_reports() {
+        let openai =
+            br#"{"choices": [], "usage": {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 64}}}"#;
+        assert_eq!(whole(openai, false), usage(100, 64));
+        let no_details = br#"{"usage":{"prompt_tokens":9,"completion_tokens":2}}"#;
+        assert_eq!(whole(no_details, false), usage(9, 0));
+        let sglang = br#"{"text": "x", "meta_info": {"prompt_tokens": 9, "cached_tokens": 8}}"#;
+        assert_eq!(whole(sglang, false), usage(9, 8));
+        let llama = br#"{"choices":[],"usage":{"prompt_tokens":30},"timings":{"cache_n":20,"prompt_n":10}}"#;
+        assert_eq!(
+            whole(llama, false),
+            usage(30, 20),
+            "timings beat a usage without details"
+        );
+        let stream = b"data: {\"choices\": [{\"delta\": {}}], \"usage\": null}\n\ndata: {\"choices\": [], \"usage\": {\"prompt_tokens\": 7}}\n\ndata: [DONE]\n\n";
+        assert_eq!(whole(stream, true), usage(7, 0));
+        let llama_stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {\"choices\":[{\"finish_reason\":\"stop\"}],\"timings\":{\"cache_n\":5,\"prompt_n\":3}}\n\ndata: [DONE]\n\n";
+        assert_eq!(whole(llama_stream, true), usage(8, 5));
+        assert_eq!(whole(b"data: [DONE]\n\n", true), None);
+        assert_eq!(whole(b"{\"usage\": null}", false), None);
+    }
+
+    #[test]
+    fn only_top_level_members_count() {
+        let nested = br#"{"choices":[{"message":{"content":"{\"usage\":{\"prompt_tokens\":1}}","usage":{"prompt_tokens":2}}}],"x":{"usage":{"prompt_tokens":3}}}"#;
+        assert_eq!(whole(nested, false), None);
+        let key_in_value = br#"{"a":"usage","b":{"prompt_tokens":4},"usage":{"prompt_tokens":5}}"#;
+        assert_eq!(whole(key_in_value, false), usage(5, 0));
+    }
+
+    #[test]
+    fn a_stream_reports_as_soon_as_the_event_is_read() {
+        let mut s = UsageScanner::new(true);
+        assert_eq!(
+            s.feed(b"data: {\"text\":\"a\",\"meta_info\":{\"prompt_tokens\":3,\"cached"),
+            None
+        );
+        assert_eq!(
+            s.feed(b"_tokens\":2}}\n"),
+            usage(3, 2),
+            "reported at the end of the line"
+        );
+        assert_eq!(
+            s.feed(b"\ndata: {\"meta_info\":{\"prompt_tokens\":3,\"cached_tokens\":2}}\n\n"),
+            None,
+            "once"
+        );
+        assert!(s.found());
+    }
+
+    #[test]
+    fn other_lines_and_comments_are_skipped() {
+        let s = b": keep-alive\nevent: x\nid: 1\ndata:{\"usage\":{\"prompt_tokens\":4,\"prompt_tokens_details\":{\"cached_tokens\":1}}}\n\n";
+        assert_eq!(whole(s, true), usage(4, 1));
+        assert_eq!(whole(b"dat: {\"usage\":{\"prompt_tokens\":4}}\n", true), None);
+        assert_eq!(
+            whole(b"data: {\"usage\":{\"prompt_tokens\":4}}", true),
+            usage(4, 0),
+            "no final newline"
+        );
+    }
+
+    #[test]
+    fn a_huge_member_is_not_kept() {
+        let big = format!(
+            r#"{{"usage":{{"prompt_tokens":1,"pad":"{}"}}}}"#,
+            "x".repeat(MAX_MEMBER_BYTES)
+        );
+        assert_eq!(whole(big.as_bytes(), false), None);
+        let mut s = UsageScanner::new(false);
+        s.feed(&big.as_bytes()[..big.len() - 2]);
+        assert!(
+            matches!(s.json.keeping, Some((Member::Usage, None))),
+            "the member's bytes were dropped once over the bound"
+        );
+    }
+
+    #[test]
+    fn framing_follows_the_last_bytes() {
+        let mut s = UsageScanner::new(true);
+        assert_eq!(s.framing(), Framing::EventEnded);
+        s.feed(b"data: {\"a\"");
+        assert_eq!(s.framing(), Framing::InLine);
+        s.feed(b":1}\n");
+        assert_eq!(s.framing(), Framing::LineEnded);
+        s.feed(b"\n");
+        assert_eq!(s.framing(), Framing::EventEnded);
+    }
+
+    proptest! {
+        /// Split anywhere, a response gives the report it gives whole.
+        #[test]
+        fn pieces_give_the_same_report(cuts in proptest::collection::vec(0usize..400, 0..12), sse in any::<bool>(), cached in 0u64..1000) {
+            let json = format!(r#"{{"id":"x","choices":[{{"message":{{"content":"a \"q\" \\ {{usage}}"}}}}],"usage":{{"prompt_tokens":1000,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#);
+            let body = if sse { format!(": c\n\ndata: {{\"choices\":[]}}\r\n\r\ndata: {json}\n\ndata: [DONE]\n\n") } else { json };
+            let bytes = body.as_bytes();
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();
+            cuts.sort_unstable();
+            let mut s = UsageScanner::new(sse);
+            let mut got = None;
+            let mut from = 0;
+            for cut in cuts.into_iter().chain([bytes.len()]) {
+                if let Some(u) = s.feed(&bytes[from..cut]) {
+                    prop_assert!(got.is_none());
+                    got = Some(u);
+                }
+                from = cut;
+            }
+            got = got.or_else(|| s.finish());
+            prop_assert_eq!(got, usage(1000, cached));
+        }
+
+        /// Arbitrary bytes in arbitrary pieces: no panic, and memory stays bounded.
+        #[test]
+        fn arbitrary_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..2000), sse in any::<bool>(), step in 1usize..64) {
+            let mut s = UsageScanner::new(sse);
+            for piece in data.chunks(step) {
+                let _ = s.feed(piece);
+                if let Some((_, Some(kept))) = &s.json.keeping {
+                    prop_assert!(kept.len() <= MAX_MEMBER_BYTES);
+                }
+            }
+            let _ = s.finish();
+        }
+    }
+}

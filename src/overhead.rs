@@ -1,0 +1,306 @@
+//! `dprouter overhead`: what the gateway costs, measured against the engine itself in one run.
+//!
+//! Starts a zero-cost mock engine and a gateway in front of it (child processes of this binary, on free loopback
+//! ports, stopped on exit), then for each case and concurrency drives the engine directly and through the gateway
+//! with the same closed loop of clients for the same time, and reports the throughput ratio, the latency the
+//! gateway adds at the median and at p99, and the gateway's CPU time per request (from its own
+//! `/proc/PID/stat`, all its threads). Everything shares this machine's cores, so the figures are ratios of one
+//! run, not absolute capacities; `docs/measurements.md` ("Gateway overhead") has the command and a run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use clap::Parser;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde::Serialize;
+
+#[derive(Debug, Parser)]
+pub struct OverheadArgs {
+    /// Cases to run: `small` (200 B chat), `large` (90 KB chat), each `-stream` or not.
+    #[arg(long, value_delimiter = ',', default_value = "small,large,small-stream,large-stream")]
+    cases: Vec<Case>,
+    /// Concurrent clients (closed loop), one measurement per value.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,256")]
+    concurrency: Vec<usize>,
+    /// Seconds each side of each measurement runs (after a short warm-up).
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Tokens in each answer (a streamed answer is this many events plus the role, usage and `[DONE]` events).
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    /// Extra arguments for the gateway (`--policy cache_aware`, …).
+    #[arg(long, allow_hyphen_values = true, num_args = 1..)]
+    gateway_args: Vec<String>,
+    /// Also write the rows as JSON to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Case {
+    Small,
+    Large,
+    SmallStream,
+    LargeStream,
+}
+
+impl Case {
+    fn name(self) -> &'static str {
+        match self {
+            Case::Small => "200 B",
+            Case::Large => "90 KB",
+            Case::SmallStream => "200 B streamed",
+            Case::LargeStream => "90 KB streamed",
+        }
+    }
+
+    /// A chat request of about the case's size.
+    fn body(self, max_tokens: u32) -> Bytes {
+        let (stream, filler) = match self {
+            Case::Small => (false, 60),
+            Case::Large => (false, 90_000),
+            Case::SmallStream => (true, 60),
+            Case::LargeStream => (true, 90_000),
+        };
+        let content: String = "lorem ipsum dolor sit amet ".chars().cycle().take(filler).collect();
+        let body = serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+            "stream_options": {"include_usage": stream},
+        });
+        Bytes::from(body.to_string())
+    }
+}
+
+/// One measurement of one side.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+struct Side {
+    requests: u64,
+    errors: u64,
+    per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+#[derive(Debug, Serialize)]
+struct Row {
+    case: Case,
+    concurrency: usize,
+    direct: Side,
+    gateway: Side,
+    throughput_ratio: f64,
+    added_p50_us: i64,
+    added_p99_us: i64,
+    gateway_cpu_us_per_request: f64,
+}
+
+pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
+    if args.seconds <= 0.0 || args.concurrency.contains(&0) {
+        bail!("--seconds and every --concurrency must be positive");
+    }
+    let engine = Started::start(&[
+        "mock-engine",
+        "--listen",
+        "127.0.0.1:0",
+        "--preset",
+        "zero",
+        "--dp-size",
+        "4",
+    ])?;
+    let mut serve = vec!["serve", "--listen", "127.0.0.1:0", "--worker", engine.url.as_str()];
+    serve.extend(args.gateway_args.iter().map(String::as_str));
+    let gateway = Started::start(&serve)?;
+    let clock_ticks = clock_ticks_per_s();
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut rows = Vec::new();
+    println!(
+        "{:<16} {:>5} {:>12} {:>12} {:>6} {:>10} {:>10} {:>12}",
+        "case", "c", "direct/s", "gateway/s", "ratio", "+p50 µs", "+p99 µs", "CPU µs/req"
+    );
+    for &case in &args.cases {
+        let body = case.body(args.max_tokens);
+        for &c in &args.concurrency {
+            let time = Duration::from_secs_f64(args.seconds);
+            let direct = runtime.block_on(drive(&engine.url, &body, c, time));
+            let before = cpu_ticks(gateway.id())?;
+            let through = runtime.block_on(drive(&gateway.url, &body, c, time));
+            let ticks = cpu_ticks(gateway.id())? - before;
+            let cpu_us = ticks as f64 * 1e6 / clock_ticks as f64 / through.requests.max(1) as f64;
+            let row = Row {
+                case,
+                concurrency: c,
+                direct,
+                gateway: through,
+                throughput_ratio: through.per_s / direct.per_s.max(f64::MIN_POSITIVE),
+                added_p50_us: through.p50_us as i64 - direct.p50_us as i64,
+                added_p99_us: through.p99_us as i64 - direct.p99_us as i64,
+                gateway_cpu_us_per_request: cpu_us,
+            };
+            println!(
+                "{:<16} {:>5} {:>12.0} {:>12.0} {:>6.2} {:>10} {:>10} {:>12.1}",
+                case.name(),
+                c,
+                direct.per_s,
+                through.per_s,
+                row.throughput_ratio,
+                row.added_p50_us,
+                row.added_p99_us,
+                cpu_us
+            );
+            if direct.errors + through.errors > 0 {
+                println!(
+                    "  errors: {} direct, {} through the gateway",
+                    direct.errors, through.errors
+                );
+            }
+            rows.push(row);
+        }
+    }
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?;
+        std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `c` clients, each sending `body` and reading the whole answer in a loop: a warm-up, then `time` measured.
+async fn drive(base: &str, body: &Bytes, c: usize, time: Duration) -> Side {
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(connector);
+    let url: hyper::Uri = match format!("{base}/v1/chat/completions").parse() {
+        Ok(url) => url,
+        Err(_) => return Side::default(),
+    };
+    let warm_up = (time / 5).min(Duration::from_secs(1));
+    let start = Instant::now();
+    let measure_from = start + warm_up;
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..c)
+        .map(|_| {
+            let (client, url, body, stop) = (client.clone(), url.clone(), body.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let mut latencies = Vec::new();
+                let mut errors = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    let sent = Instant::now();
+                    let ok = exchange(&client, &url, &body).await;
+                    if sent >= measure_from && !stop.load(Ordering::Relaxed) {
+                        if ok {
+                            latencies.push(sent.elapsed().as_micros() as u64);
+                        } else {
+                            errors += 1;
+                        }
+                    }
+                }
+                (latencies, errors)
+            })
+        })
+        .collect();
+    tokio::time::sleep_until((measure_from + time).into()).await;
+    stop.store(true, Ordering::Relaxed);
+    let measured = measure_from.elapsed().as_secs_f64().max(time.as_secs_f64());
+    let mut latencies = Vec::new();
+    let mut errors = 0;
+    for task in tasks {
+        if let Ok((l, e)) = task.await {
+            latencies.extend(l);
+            errors += e;
+        }
+    }
+    latencies.sort_unstable();
+    let at = |q: f64| latencies.get(((latencies.len() as f64 * q) as usize).min(latencies.len().saturating_sub(1)));
+    Side {
+        requests: latencies.len() as u64,
+        errors,
+        per_s: latencies.len() as f64 / measured,
+        p50_us: at(0.5).copied().unwrap_or(0),
+        p99_us: at(0.99).copied().unwrap_or(0),
+    }
+}
+
+/// One request, its whole answer read; whether it succeeded.
+async fn exchange(client: &Client<HttpConnector, Full<Bytes>>, url: &hyper::Uri, body: &Bytes) -> bool {
+    let request = hyper::Request::post(url.clone())
+        .header("content-type", "application/json")
+        .body(Full::new(body.clone()));
+    let Ok(request) = request else { return false };
+    match client.request(request).await {
+        Ok(response) => response.status().is_success() && response.into_body().collect().await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// A `dprouter` child process listening on a loopback port; killed when dropped.
+struct Started {
+    child: Child,
+    url: String,
+}
+
+impl Started {
+    fn start(args: &[&str]) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(args)
+            .env("RUST_LOG", "error")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("starting dprouter {}", args.join(" ")))?;
+        let mut line = String::new();
+        if let Some(out) = child.stdout.take() {
+            BufReader::new(out).read_line(&mut line)?;
+        }
+        let url = line.trim().rsplit(' ').next().unwrap_or_default().to_string();
+        if !url.starts_with("http://") {
+            let _ = child.kill();
+            bail!("dprouter {} did not start (said {line:?})", args.join(" "));
+        }
+        let _ = std::io::stdout().flush();
+        Ok(Self { child, url })
+    }
+
+    fn id(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// User plus system CPU time of a process, all its threads, in clock ticks (`/proc/PID/stat` fields 14 and 15).
+fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).context("reading the gateway's CPU time")?;
+    // The command name (field 2) is parenthesized and may hold spaces: count fields after its closing parenthesis.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    Ok(field(14) + field(15))
+}
+
+/// The kernel's clock ticks per second for `/proc` CPU times (`getconf CLK_TCK`; 100 on Linux unless told).
+fn clock_ticks_per_s() -> u64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|&t| t > 0)
+        .unwrap_or(100)
+}
