@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use dprouter_core::{EndpointId, Framing, Policy, Ticket, Usage, UsageScanner};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::Sleep;
@@ -48,8 +48,8 @@ pub struct Timing {
     pub idle: Duration,
 }
 
-pub struct GuardedBody {
-    inner: Incoming,
+pub struct GuardedBody<B = Incoming> {
+    inner: B,
     deadline: Pin<Box<Sleep>>,
     idle: Duration,
     ticket: Option<GatewayTicket>,
@@ -61,10 +61,18 @@ pub struct GuardedBody {
     sse: bool,
     scanner: UsageScanner,
     done: bool,
+    /// The deadline is the idle one (a byte arrived).
+    idle_deadline: bool,
+    last_byte: tokio::time::Instant,
+    /// SSE bytes not yet handed on, and the scheduler turns already spent waiting for more.
+    batch: Batch,
+    yields: u32,
+    /// A trailers frame that came after bytes still to hand on.
+    held: Option<Frame<Bytes>>,
 }
 
-impl GuardedBody {
-    pub fn new(inner: Incoming, ticket: GatewayTicket, registry: Arc<Registry>, sse: bool, timing: Timing) -> Self {
+impl<B> GuardedBody<B> {
+    pub fn new(inner: B, ticket: GatewayTicket, registry: Arc<Registry>, sse: bool, timing: Timing) -> Self {
         let endpoint = ticket.endpoint;
         Self {
             inner,
@@ -79,6 +87,11 @@ impl GuardedBody {
             sse,
             scanner: UsageScanner::new(sse),
             done: false,
+            idle_deadline: false,
+            last_byte: tokio::time::Instant::now(),
+            batch: Batch::Empty,
+            yields: 0,
+            held: None,
         }
     }
 
@@ -124,69 +137,196 @@ impl GuardedBody {
         };
         let code = if kind == "timeout" { 504 } else { 502 };
         let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": code}});
-        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!("{open}data: {event}\n\n"))))))
+        // After the bytes gathered and not yet handed on.
+        self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
+        Poll::Ready(self.take_batch().map(Ok))
     }
 }
 
-impl Body for GuardedBody {
+impl<B> GuardedBody<B> {
+    /// A data frame arrived: the first byte's bookkeeping, the usage scanner, the idle deadline.
+    fn on_data(&mut self, data: &Bytes) {
+        if !self.first_byte && !data.is_empty() {
+            self.first_byte = true;
+            // The engine finished prefill: the request's queued-prefill share is released.
+            if let Some(ticket) = self.ticket.as_mut() {
+                ticket.first_token(crate::clock::now_us());
+            }
+            if self.sse {
+                let ttft = self.received.elapsed().as_secs_f64();
+                metrics::histogram!(telemetry::TTFT, "endpoint" => self.label.clone()).record(ttft);
+            }
+        }
+        if let Some(usage) = self.scanner.feed(data) {
+            self.report(usage);
+        }
+        // From the first byte on, the deadline is the idle one, moved lazily: only when it fires is it checked
+        // against the last byte (no timer update per event).
+        let now = tokio::time::Instant::now();
+        if !std::mem::replace(&mut self.idle_deadline, true) {
+            self.deadline.as_mut().reset(now + self.idle);
+        }
+        self.last_byte = now;
+    }
+
+    /// The deadline fired; `true` if it really passed (otherwise it was moved past the last byte).
+    fn deadline_passed(&mut self, cx: &mut Context<'_>) -> bool {
+        loop {
+            if self.deadline.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if !self.idle_deadline {
+                return true;
+            }
+            let next = self.last_byte + self.idle;
+            if next <= tokio::time::Instant::now() {
+                return true;
+            }
+            self.deadline.as_mut().reset(next);
+        }
+    }
+
+    /// Takes the SSE bytes gathered so far as one frame.
+    fn take_batch(&mut self) -> Option<Frame<Bytes>> {
+        match std::mem::take(&mut self.batch) {
+            Batch::Empty => None,
+            Batch::One(bytes) => Some(Frame::data(bytes)),
+            Batch::Many(bytes) => Some(Frame::data(bytes.freeze())),
+        }
+    }
+}
+
+/// SSE bytes received and not yet handed to hyper: one frame as it came, or several copied together.
+#[derive(Default)]
+enum Batch {
+    #[default]
+    Empty,
+    One(Bytes),
+    Many(BytesMut),
+}
+
+impl Batch {
+    fn len(&self) -> usize {
+        match self {
+            Batch::Empty => 0,
+            Batch::One(b) => b.len(),
+            Batch::Many(b) => b.len(),
+        }
+    }
+
+    fn push(&mut self, data: Bytes) {
+        *self = match std::mem::take(self) {
+            Batch::Empty => Batch::One(data),
+            Batch::One(first) => {
+                let mut many = BytesMut::with_capacity((first.len() + data.len()).max(4096));
+                many.extend_from_slice(&first);
+                many.extend_from_slice(&data);
+                Batch::Many(many)
+            }
+            Batch::Many(mut many) => {
+                many.extend_from_slice(&data);
+                Batch::Many(many)
+            }
+        }
+    }
+}
+
+/// The most SSE bytes gathered into one write.
+const MAX_BATCH_BYTES: usize = 64 << 10;
+
+/// How many scheduler turns a gathered batch waits for the next event before it goes out. One is not enough on a
+/// multi-threaded runtime (the upstream connection's task often has not run yet); two gather nearly all of what
+/// is ready (`docs/measurements.md`, "Gateway overhead").
+const MAX_YIELDS: u32 = 2;
+
+impl<B> Body for GuardedBody<B>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
     type Data = Bytes;
     type Error = BoxError;
 
+    /// SSE events that are ready together go out together: after an event, the upstream is asked again, then
+    /// again after letting other tasks run (the upstream connection's among them; a yield, not a timer, at most
+    /// [`MAX_YIELDS`] times), and what it has by then joins the same write. hyper writes each frame it gets and
+    /// flushes whenever the body is not ready, so without this every event of a fast stream costs its own `writev`
+    /// (and the client a wake-up); the delay is a scheduler turn or two, microseconds.
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
-        if this.done {
-            return Poll::Ready(None);
+        if let Some(frame) = this.held.take() {
+            return Poll::Ready(Some(Ok(frame)));
         }
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Pending => {
-                if this.deadline.as_mut().poll(cx).is_pending() {
-                    return Poll::Pending;
-                }
-                let what = if this.first_byte {
-                    "stalled mid-way"
-                } else {
-                    "sent no first byte"
-                };
-                tracing::warn!(endpoint = %this.label, "upstream stream {what}: timed out");
-                let message = format!("the upstream stream {what} in time");
-                this.fail("timeout", &message, message.clone().into())
-            }
-            Poll::Ready(None) => {
-                this.finish();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(data) = frame.data_ref() {
-                    if !this.first_byte && !data.is_empty() {
-                        this.first_byte = true;
-                        // The engine finished prefill: the request's queued-prefill share is released.
-                        if let Some(ticket) = this.ticket.as_mut() {
-                            ticket.first_token(crate::clock::now_us());
+        if this.done {
+            return Poll::Ready(this.take_batch().map(Ok));
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
+                Poll::Pending => {
+                    if this.batch.len() > 0 {
+                        if this.yields < MAX_YIELDS {
+                            this.yields += 1;
+                            cx.waker().wake_by_ref();
+                            return Poll::Pending;
                         }
-                        if this.sse {
-                            let ttft = this.received.elapsed().as_secs_f64();
-                            metrics::histogram!(telemetry::TTFT, "endpoint" => this.label.clone()).record(ttft);
-                        }
+                        this.yields = 0;
+                        return Poll::Ready(this.take_batch().map(Ok));
                     }
-                    if let Some(usage) = this.scanner.feed(data) {
-                        this.report(usage);
+                    if !this.deadline_passed(cx) {
+                        return Poll::Pending;
                     }
-                    let next = tokio::time::Instant::now() + this.idle;
-                    this.deadline.as_mut().reset(next);
+                    let what = if this.first_byte {
+                        "stalled mid-way"
+                    } else {
+                        "sent no first byte"
+                    };
+                    tracing::warn!(endpoint = %this.label, "upstream stream {what}: timed out");
+                    let message = format!("the upstream stream {what} in time");
+                    return this.fail("timeout", &message, message.clone().into());
                 }
-                // A body of known length ends without a final `None` poll.
-                if this.inner.is_end_stream() {
+                Poll::Ready(None) => {
                     this.finish();
+                    return Poll::Ready(this.take_batch().map(Ok));
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(err))) => {
-                tracing::warn!(endpoint = %this.label, error = %err, "upstream stream broke");
-                this.fail(
-                    "stream",
-                    "the upstream stream broke before the response was complete",
-                    err.into(),
-                )
+                Poll::Ready(Some(Ok(frame))) => {
+                    let frame = match frame.into_data() {
+                        Ok(data) => {
+                            this.on_data(&data);
+                            if !this.sse {
+                                // A body of known length ends without a final `None` poll.
+                                if this.inner.is_end_stream() {
+                                    this.finish();
+                                }
+                                return Poll::Ready(Some(Ok(Frame::data(data))));
+                            }
+                            this.batch.push(data);
+                            this.yields = 0;
+                            if this.inner.is_end_stream() {
+                                this.finish();
+                                return Poll::Ready(this.take_batch().map(Ok));
+                            }
+                            if this.batch.len() >= MAX_BATCH_BYTES {
+                                return Poll::Ready(this.take_batch().map(Ok));
+                            }
+                            continue;
+                        }
+                        Err(frame) => frame,
+                    };
+                    // Trailers: after the bytes gathered before them.
+                    if let Some(batch) = this.take_batch() {
+                        this.held = Some(frame);
+                        return Poll::Ready(Some(Ok(batch)));
+                    }
+                    return Poll::Ready(Some(Ok(frame)));
+                }
+                Poll::Ready(Some(Err(err))) => {
+                    tracing::warn!(endpoint = %this.label, error = %err, "upstream stream broke");
+                    return this.fail(
+                        "stream",
+                        "the upstream stream broke before the response was complete",
+                        err.into(),
+                    );
+                }
             }
         }
     }
@@ -197,5 +337,117 @@ impl Body for GuardedBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HealthConfig;
+    use dprouter_core::{dispatch, PolicyConfig, RouteRequest, Snapshot};
+    use std::collections::VecDeque;
+    use std::convert::Infallible;
+
+    /// An upstream body scripted step by step: `Some(bytes)` is a ready frame, `None` a `Pending` that never
+    /// wakes anyone (the body under test must not wait on it for long).
+    struct Scripted(VecDeque<Option<&'static str>>);
+
+    impl Body for Scripted {
+        type Data = Bytes;
+        type Error = Infallible;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _cx: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+            match self.0.pop_front() {
+                Some(Some(text)) => Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(text.as_bytes()))))),
+                Some(None) => Poll::Pending,
+                None => Poll::Ready(None),
+            }
+        }
+    }
+
+    fn body(steps: &[Option<&'static str>], snap: &Snapshot) -> GuardedBody<Scripted> {
+        let policy: Arc<dyn Policy> = Arc::from(PolicyConfig::from_name("round_robin").unwrap().build());
+        let ticket = dispatch(policy, snap, RouteRequest::text("x")).unwrap();
+        let timing = Timing {
+            received: Instant::now(),
+            first_byte: tokio::time::Instant::now() + Duration::from_secs(60),
+            idle: Duration::from_secs(60),
+        };
+        let registry = Arc::new(Registry::new(HealthConfig::default()));
+        GuardedBody::new(
+            Scripted(steps.iter().copied().collect()),
+            ticket,
+            registry,
+            true,
+            timing,
+        )
+    }
+
+    /// Polls once: `Some(text)` for a data frame, `None` for the end, and `Pending` as `Err(())`.
+    fn poll(body: &mut GuardedBody<Scripted>) -> Result<Option<String>, ()> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match Pin::new(body).poll_frame(&mut cx) {
+            Poll::Pending => Err(()),
+            Poll::Ready(None) => Ok(None),
+            Poll::Ready(Some(frame)) => {
+                let data = frame.unwrap().into_data().unwrap();
+                Ok(Some(String::from_utf8(data.to_vec()).unwrap()))
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn events_ready_together_go_out_in_one_frame() {
+        let snap = Snapshot::single_worker(1);
+        let mut b = body(
+            &[
+                Some("data: 1\n\n"),
+                Some("data: 2\n\n"),
+                None,
+                Some("data: 3\n\n"),
+                None,
+                None,
+                None,
+            ],
+            &snap,
+        );
+        assert_eq!(poll(&mut b), Err(()), "a yield: more may be coming");
+        // The third event came during the yield; then two more yields find nothing.
+        assert_eq!(poll(&mut b), Err(()));
+        assert_eq!(poll(&mut b), Err(()));
+        assert_eq!(
+            poll(&mut b),
+            Ok(Some("data: 1\n\ndata: 2\n\ndata: 3\n\n".into())),
+            "gathered over a yield"
+        );
+        assert_eq!(snap.load(0).in_flight_requests(), 1);
+        assert_eq!(poll(&mut b), Ok(None));
+        assert_eq!(snap.load(0).in_flight_requests(), 0, "the ticket ended with the body");
+    }
+
+    #[tokio::test]
+    async fn an_event_waits_at_most_two_scheduler_turns() {
+        let snap = Snapshot::single_worker(1);
+        let mut b = body(&[Some("data: 1\n\n"), None, None, None, None], &snap);
+        assert_eq!(poll(&mut b), Err(()));
+        assert_eq!(poll(&mut b), Err(()));
+        assert_eq!(
+            poll(&mut b),
+            Ok(Some("data: 1\n\n".into())),
+            "out after two yields, not held for more"
+        );
+        assert_eq!(poll(&mut b), Err(()), "then waiting on the upstream, holding nothing");
+    }
+
+    #[tokio::test]
+    async fn the_last_events_go_out_with_the_end() {
+        let snap = Snapshot::single_worker(1);
+        let mut b = body(&[Some("data: 1\n\n"), Some("data: [DONE]\n\n")], &snap);
+        assert_eq!(poll(&mut b), Ok(Some("data: 1\n\ndata: [DONE]\n\n".into())));
+        assert_eq!(poll(&mut b), Ok(None));
+        assert!(b.is_end_stream());
     }
 }
