@@ -459,7 +459,7 @@ async fn the_worker_gets_the_clients_bytes() {
                     r#"{"dp_size": 2}"#.to_string()
                 } else {
                     if head.starts_with("POST") {
-                        let _ = seen_tx.send(String::from_utf8_lossy(&data[head_end..]).to_string());
+                        let _ = seen_tx.send(String::from_utf8_lossy(&data).to_string());
                     }
                     "{}".to_string()
                 };
@@ -481,10 +481,41 @@ async fn the_worker_gets_the_clients_bytes() {
     let response = common::send(&c, &format!("{}/generate", gw.url), &[], body.to_string()).await;
     assert_eq!(response.status(), StatusCode::OK);
     let seen = seen_rx.recv().await.unwrap();
+    let (head, sent) = seen.split_once("\r\n\r\n").unwrap();
     assert_eq!(
-        seen,
+        sent,
         "{\"routed_dp_rank\":1,\"text\":  \"h\\u00e9llo\",\"temperature\": 1e2,\"z\": [ 1 , 2.50 ]}"
     );
+    assert!(!head.to_ascii_lowercase().contains("x-data-parallel-rank"), "{head}");
+    // `rank_field = "header"`: on `/v1/*` the rank goes in the header and the body exactly as the client sent it
+    // (less the client's own override members); `/generate` keeps the body field.
+    let config = config_file(
+        "rank-header",
+        &format!("[[workers]]\nurl = \"{engine}\"\nrank_field = \"header\"\n"),
+    );
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        &config,
+        "--policy",
+        "round_robin",
+    ]);
+    let completion = "{\"prompt\": \"h\\u00e9llo\",\n \"routed_dp_rank\": 1, \"max_tokens\" :2}";
+    let response = common::send(&c, &format!("{}/v1/completions", gw.url), &[], completion.to_string()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = seen_rx.recv().await.unwrap();
+    let (head, sent) = seen.split_once("\r\n\r\n").unwrap();
+    assert!(
+        head.to_ascii_lowercase().contains("x-data-parallel-rank: 1\r\n"),
+        "{head}"
+    );
+    assert_eq!(sent, "{\"prompt\": \"h\\u00e9llo\",\"max_tokens\" :2}");
+    let response = common::send(&c, &format!("{}/generate", gw.url), &[], body.to_string()).await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let seen = seen_rx.recv().await.unwrap();
+    assert!(seen.contains("\r\n\r\n{\"routed_dp_rank\":1,\"text\""), "{seen}");
 }
 
 /// A worker killed with streams in flight, then restarted on the same port: its streams end with an explicit

@@ -86,6 +86,10 @@ pub struct Reply {
     pub text: String,
 }
 
+/// The longest a test waits for an answer's head or its whole body: a hang fails the test with a message instead
+/// of holding the run until the CI's limit.
+pub const ANSWER_LIMIT: Duration = Duration::from_secs(60);
+
 pub async fn send(c: &HttpClient, url: &str, headers: &[(&str, &str)], body: impl Into<Bytes>) -> Response<Incoming> {
     let mut req = Request::post(url);
     if !headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
@@ -94,7 +98,11 @@ pub async fn send(c: &HttpClient, url: &str, headers: &[(&str, &str)], body: imp
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
-    c.request(req.body(Full::new(body.into())).unwrap()).await.unwrap()
+    let answer = c.request(req.body(Full::new(body.into())).unwrap());
+    match tokio::time::timeout(ANSWER_LIMIT, answer).await {
+        Ok(response) => response.unwrap(),
+        Err(_) => panic!("POST {url}: no answer within {ANSWER_LIMIT:?}"),
+    }
 }
 
 pub async fn post(c: &HttpClient, url: &str, headers: &[(&str, &str)], body: &Value) -> Reply {
@@ -107,10 +115,9 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
         .headers()
         .get("x-dp-rank")
         .and_then(|v| v.to_str().ok()?.parse().ok());
-    let bytes = resp
-        .into_body()
-        .collect()
+    let bytes = tokio::time::timeout(ANSWER_LIMIT, resp.into_body().collect())
         .await
+        .unwrap_or_else(|_| panic!("the body did not end within {ANSWER_LIMIT:?}"))
         .map(|b| b.to_bytes())
         .unwrap_or_default();
     let text = String::from_utf8_lossy(&bytes).into_owned();
@@ -123,7 +130,10 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
 }
 
 pub async fn get(c: &HttpClient, url: &str) -> Reply {
-    read(c.get(url.parse().unwrap()).await.unwrap()).await
+    match tokio::time::timeout(ANSWER_LIMIT, c.get(url.parse().unwrap())).await {
+        Ok(response) => read(response.unwrap()).await,
+        Err(_) => panic!("GET {url}: no answer within {ANSWER_LIMIT:?}"),
+    }
 }
 
 /// Total in-flight requests the gateway counts, from `GET /workers`.

@@ -31,7 +31,7 @@ impl Backend {
     }
 }
 
-/// The body field that names an SGLang rank.
+/// How an SGLang worker is told the rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum RankField {
@@ -40,13 +40,29 @@ pub enum RankField {
     RoutedDpRank,
     /// Older SGLang servers.
     DataParallelRank,
+    /// SGLang with PR #19832: the `X-Data-Parallel-Rank` header on `/v1/*` (the client's body goes on untouched),
+    /// `routed_dp_rank` in the body of `/generate`. Older servers ignore the header, silently: choose it only
+    /// for servers known to read it.
+    Header,
 }
 
 impl RankField {
+    /// The config name.
     pub fn as_str(self) -> &'static str {
         match self {
             RankField::RoutedDpRank => "routed_dp_rank",
             RankField::DataParallelRank => "data_parallel_rank",
+            RankField::Header => "header",
+        }
+    }
+
+    /// The body field that carries the rank on `path` (`None`: the header does).
+    pub fn body_field(self, path: &str) -> Option<&'static str> {
+        match self {
+            RankField::RoutedDpRank => Some("routed_dp_rank"),
+            RankField::DataParallelRank => Some("data_parallel_rank"),
+            RankField::Header if path.starts_with("/v1/") => None,
+            RankField::Header => Some("routed_dp_rank"),
         }
     }
 }
@@ -63,7 +79,7 @@ pub struct WorkerConfig {
     /// vLLM: required (default 1). OpenAI: always 1.
     #[serde(default)]
     pub dp_size: Option<u32>,
-    /// SGLang only: the body field that carries the rank.
+    /// SGLang only: how the rank is sent (a body field, or the header on `/v1/*`).
     #[serde(default)]
     pub rank_field: RankField,
 }

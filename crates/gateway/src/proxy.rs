@@ -133,11 +133,13 @@ fn upstream_request(
         }
     }
     let rank_member = match target.backend {
-        Backend::Sglang => Some(Bytes::from(format!(
-            "\"{}\":{}",
-            target.rank_field.as_str(),
-            target.id.dp_rank
-        ))),
+        Backend::Sglang => match target.rank_field.body_field(path_and_query) {
+            Some(field) => Some(Bytes::from(format!("\"{field}\":{}", target.id.dp_rank))),
+            None => {
+                builder = builder.header(RANK_HEADER, target.id.dp_rank);
+                None
+            }
+        },
         Backend::Vllm => {
             builder = builder.header(VLLM_RANK_HEADER, target.id.dp_rank);
             None
