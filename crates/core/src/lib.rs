@@ -5,6 +5,7 @@
 //! current [`Snapshot`]; the [`Ticket`] it returns carries the request's feedback.
 
 pub mod block_index;
+mod chat;
 pub mod config;
 pub mod endpoint;
 pub mod error;

@@ -145,6 +145,15 @@ pub fn render_chat(tools: Option<&Value>, messages: &Value) -> Result<Vec<u8>, P
         expected: "an array of messages",
     })?;
     let mut out = String::new();
+    render_tools(tools, &mut out)?;
+    for message in messages {
+        render_message(message, &mut out)?;
+    }
+    Ok(out.into_bytes())
+}
+
+/// The tools line: `"<|tools|>\n" + json(tools) + "\n"` for a non-empty array.
+pub(crate) fn render_tools(tools: Option<&Value>, out: &mut String) -> Result<(), PromptError> {
     if let Some(tools) = tools {
         let list = tools.as_array().ok_or(PromptError::Field {
             field: "tools",
@@ -156,10 +165,20 @@ pub fn render_chat(tools: Option<&Value>, messages: &Value) -> Result<Vec<u8>, P
             out.push('\n');
         }
     }
-    for message in messages {
-        render_message(message, &mut out)?;
+    Ok(())
+}
+
+/// Content parts: each `text` part's text, any other part as json(part), joined with `"\n"`.
+pub(crate) fn render_parts(parts: &[Value], out: &mut String) {
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push('\n');
+        }
+        match part.get("text").and_then(Value::as_str) {
+            Some(text) if part.get("type").and_then(Value::as_str) == Some("text") => out.push_str(text),
+            _ => out.push_str(&part.to_string()),
+        }
     }
-    Ok(out.into_bytes())
 }
 
 fn render_message(message: &Value, out: &mut String) -> Result<(), PromptError> {
@@ -175,17 +194,7 @@ fn render_message(message: &Value, out: &mut String) -> Result<(), PromptError> 
     match obj.get("content") {
         None | Some(Value::Null) => {}
         Some(Value::String(s)) => out.push_str(s),
-        Some(Value::Array(parts)) => {
-            for (i, part) in parts.iter().enumerate() {
-                if i > 0 {
-                    out.push('\n');
-                }
-                match part.get("text").and_then(Value::as_str) {
-                    Some(text) if part.get("type").and_then(Value::as_str) == Some("text") => out.push_str(text),
-                    _ => out.push_str(&part.to_string()),
-                }
-            }
-        }
+        Some(Value::Array(parts)) => render_parts(parts, out),
         Some(_) => {
             return Err(PromptError::Field {
                 field: "messages[].content",

@@ -51,7 +51,8 @@ struct Member<'a> {
 /// Every top-level member of an object, in order, values unparsed.
 struct Members<'a>(Vec<Member<'a>>);
 
-struct Key<'a>(Cow<'a, str>);
+/// An object key, borrowed from the input when it has no escapes.
+pub(crate) struct Key<'a>(pub(crate) Cow<'a, str>);
 
 impl<'de> Deserialize<'de> for Key<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -122,7 +123,7 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         }
     } else if let Some(messages) = field("messages")? {
         let tools = field("tools")?.map(value).transpose()?;
-        Prompt::Bytes(prompt::render_chat(tools.as_ref(), &value(messages)?)?)
+        Prompt::Bytes(crate::chat::render(tools.as_ref(), messages)?)
     } else {
         return Err(PromptError::NoPrompt);
     };
@@ -284,6 +285,15 @@ mod tests {
     }
 
     #[test]
+    fn a_message_with_duplicate_keys_renders_as_its_tree_does() {
+        let body = r#"{"messages":[{"role":7,"content":"a","role":"user","x":1,"content":"b\u0021","x":2}]}"#;
+        let tree = prompt::parse_request(&serde_json::from_str(body).unwrap()).unwrap();
+        let view = parse_body(body.as_bytes(), true).unwrap();
+        assert_eq!(view.route.prompt, tree.prompt);
+        assert_eq!(view.route.prompt, Prompt::Bytes(b"<|user|>\nb!\n{\"x\":2}\n".to_vec()));
+    }
+
+    #[test]
     fn overrides_are_not_read_when_not_allowed() {
         let body = br#"{"text": "x", "routed_dp_rank": "two"}"#;
         assert!(parse_body(body, true).is_err());
@@ -299,6 +309,52 @@ mod tests {
             parse_body(br#"{"text": "a", "x": 1, "x": 2}"#, true).is_ok(),
             "other keys are the worker's business"
         );
+    }
+
+    /// Chat conversations with every kind of message the rendering distinguishes.
+    fn messages() -> impl Strategy<Value = Value> {
+        let role = prop_oneof![
+            Just(json!("user")),
+            Just(json!("as\"sis\u{e9}tant")),
+            Just(json!(7)),
+            Just(json!(null)),
+        ];
+        let content = prop_oneof![
+            Just(json!("plain")),
+            Just(json!("esc\\aped \"q\" \n \u{1F600}")),
+            Just(json!(null)),
+            Just(json!([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}])),
+            Just(json!([])),
+            Just(json!(3)),
+            Just(json!({"text": "x"})),
+        ];
+        let extra = prop_oneof![
+            Just(None),
+            Just(Some(("name", json!("n")))),
+            Just(Some((
+                "tool_calls",
+                json!([{"id": "c", "function": {"name": "f", "arguments": "{}"}}])
+            ))),
+        ];
+        let message = (proptest::option::of(role), proptest::option::of(content), extra, 0u8..8).prop_map(
+            |(role, content, extra, shape)| {
+                if shape == 0 {
+                    return json!("not an object");
+                }
+                let mut m = serde_json::Map::new();
+                if let Some(r) = role {
+                    m.insert("role".into(), r);
+                }
+                if let Some(c) = content {
+                    m.insert("content".into(), c);
+                }
+                if let Some((k, v)) = extra {
+                    m.insert(k.into(), v);
+                }
+                Value::Object(m)
+            },
+        );
+        prop::collection::vec(message, 0..4).prop_map(Value::Array)
     }
 
     /// Request-shaped JSON, including the awkward cases of each field.
@@ -340,6 +396,7 @@ mod tests {
             Just(("stream", json!(true))),
             Just(("text", json!(null))),
         ];
+        let field = prop_oneof![3 => field, 1 => messages().prop_map(|m| ("messages", m))];
         prop::collection::vec(field, 0..6).prop_map(|fields| {
             let mut map = serde_json::Map::new();
             for (k, v) in fields {
