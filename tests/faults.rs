@@ -487,6 +487,10 @@ async fn the_worker_gets_the_clients_bytes() {
         "{\"routed_dp_rank\":1,\"text\":  \"h\\u00e9llo\",\"temperature\": 1e2,\"z\": [ 1 , 2.50 ]}"
     );
     assert!(!head.to_ascii_lowercase().contains("x-data-parallel-rank"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("\r\nx-request-id: "),
+        "the engine gets the request id: {head}"
+    );
     // `rank_field = "header"`: on `/v1/*` the rank goes in the header and the body exactly as the client sent it
     // (less the client's own override members); `/generate` keeps the body field.
     let config = config_file(
@@ -689,4 +693,66 @@ async fn a_worker_speaking_garbage_is_taken_out_by_one_probe() {
     assert!((1..=2).contains(&failed), "{failed} requests failed");
     assert_eq!(health(&c, &gw.url).await, vec![false, true]);
     assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
+/// `GET /v1/models` from a worker that accepts connections and never answers: it is passed over after a bounded
+/// wait and the next worker answers; the client's `Authorization` goes with the question (an engine with an API
+/// key answers 401 without it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn models_pass_over_a_stuck_worker_and_carry_the_key() {
+    let stuck = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let stuck_url = format!("http://{}", stuck.local_addr().unwrap());
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((socket, _)) = stuck.accept().await {
+            held.push(socket);
+        }
+    });
+    let keyed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let keyed_url = format!("http://{}", keyed.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = keyed.accept().await {
+            tokio::spawn(async move {
+                let Some((head, _)) = common::read_head(&mut socket).await else {
+                    return;
+                };
+                let reply = if head.starts_with("get /health") {
+                    common::json_answer("{}")
+                } else if head.contains("authorization: bearer sk-test\r\n") {
+                    common::json_answer(r#"{"object":"list","data":[{"id":"smollm2","object":"model"}]}"#)
+                } else {
+                    common::json_answer(r#"{"error":{"message":"Invalid API Key"}}"#).replacen(
+                        "200 OK",
+                        "401 Unauthorized",
+                        1,
+                    )
+                };
+                let _ = socket.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--backend",
+        "openai",
+        "--worker",
+        &stuck_url,
+        "--worker",
+        &keyed_url,
+    ]);
+    let c = client();
+    let models = format!("{}/v1/models", gw.url);
+    let asked = Instant::now();
+    let request = hyper::Request::get(&models)
+        .header("authorization", "Bearer sk-test")
+        .body(Default::default());
+    let reply = common::read(c.request(request.unwrap()).await.unwrap()).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(reply.json["data"][0]["id"], "smollm2");
+    assert!(asked.elapsed() < Duration::from_secs(15), "took {:?}", asked.elapsed());
+    // Without the key the engine's own 401 comes back; `/models` (no `/v1`) is the same route.
+    let reply = get(&c, &format!("{}/models", gw.url)).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{}", reply.text);
 }

@@ -290,6 +290,12 @@ async fn mid_stream_upstream_death_ends_the_stream_with_an_error() {
     );
     assert!(!text.contains("[DONE]"), "{text}");
     assert!(eventually(Duration::from_secs(2), || async { in_flight(&c, &gw.url).await == 0 }).await);
+    // Counted as what it was: a 502, not the 200 its head said.
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert!(
+        metrics.contains(r#"dprouter_requests_total{route="/v1/chat/completions",status="502"} 1"#),
+        "{metrics}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -566,4 +572,121 @@ async fn serve_without_workers_fronts_an_embedded_engine() {
         .await
         .text
         .contains("dprouter_requests_total"));
+}
+
+/// A client given the base URL without `/v1` (as llama.cpp users often are) reaches the same routes, and the
+/// engine (which serves only `/v1/...`) gets the `/v1` path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paths_without_v1_reach_the_engine_with_it() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&engine], &[]);
+    let c = client();
+    let chat = json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let reply = post(&c, &format!("{}/chat/completions", gw.url), &[], &chat).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(reply.json["object"], "chat.completion");
+    let completion = json!({"model": "m", "max_tokens": 2, "prompt": "hi"});
+    let reply = post(&c, &format!("{}/completions?x=1", gw.url), &[], &completion).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(reply.json["object"], "text_completion");
+    let reply = get(&c, &format!("{}/models", gw.url)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+}
+
+/// Every answer carries a request id: the client's when it sends one (and the engine gets it), a fresh one
+/// otherwise; a client that hangs up mid-stream is counted as 499.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_round_trip_and_hang_ups_are_counted() {
+    let engine = Proc::engine(&["--dp-size", "1", "--tpot-ms", "20"]);
+    let gw = Proc::gateway(&[&engine], &[]);
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let chat = |stream: bool| {
+        json!({"model": "m", "max_tokens": 50, "stream": stream, "messages": [{"role": "user", "content": "hi"}]})
+            .to_string()
+    };
+    let response = send(&c, &url, &[("x-request-id", "client-id-7")], chat(false)).await;
+    assert_eq!(response.headers()["x-request-id"], "client-id-7");
+    let ids: Vec<String> = futures_util::future::join_all((0..2).map(|_| send(&c, &url, &[], chat(false))))
+        .await
+        .iter()
+        .map(|r| r.headers()["x-request-id"].to_str().unwrap().to_string())
+        .collect();
+    assert!(
+        ids.iter()
+            .all(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit())),
+        "{ids:?}"
+    );
+    assert_ne!(ids[0], ids[1]);
+    // Errors the gateway answers itself carry one too.
+    let bad = send(&c, &url, &[], "{").await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    assert!(bad.headers().contains_key("x-request-id"));
+    // A client that reads the first event of a 50-token stream and closes.
+    let mut body = send(&c, &url, &[], chat(true)).await.into_body();
+    body.frame().await.unwrap().unwrap();
+    drop(body);
+    let counted = eventually(Duration::from_secs(5), || async {
+        get(&c, &format!("{}/metrics", gw.url))
+            .await
+            .text
+            .contains(r#"dprouter_requests_total{route="/v1/chat/completions",status="499"} 1"#)
+    })
+    .await;
+    assert!(counted, "the hang-up was not counted as 499");
+    assert!(eventually(Duration::from_secs(2), || async { in_flight(&c, &gw.url).await == 0 }).await);
+}
+
+/// CORS is off unless configured: then a browser's preflight is answered and answers carry the origin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_is_opt_in() {
+    let engine = Proc::engine(&["--dp-size", "1"]);
+    let c = client();
+    let preflight = |url: String| {
+        hyper::Request::options(url)
+            .header("origin", "https://app.example.com")
+            .header("access-control-request-method", "POST")
+            .header("access-control-request-headers", "authorization, content-type")
+            .body(Default::default())
+            .unwrap()
+    };
+    let plain = Proc::gateway(&[&engine], &[]);
+    let response = c
+        .request(preflight(format!("{}/v1/chat/completions", plain.url)))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::METHOD_NOT_ALLOWED);
+    assert!(!response.headers().contains_key("access-control-allow-origin"));
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-cors.toml");
+    std::fs::write(
+        &config,
+        "[server]\ncors_allow_origins = [\"https://app.example.com\"]\n",
+    )
+    .unwrap();
+    let gw = Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let response = c
+        .request(preflight(format!("{}/v1/chat/completions", gw.url)))
+        .await
+        .unwrap();
+    assert!(response.status().is_success(), "{}", response.status());
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
+    let allowed = response.headers()["access-control-allow-headers"]
+        .to_str()
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(allowed.contains("authorization"), "{allowed}");
+    let request = hyper::Request::post(format!("{}/generate", gw.url))
+        .header("origin", "https://app.example.com")
+        .header("content-type", "application/json")
+        .body(generate("x").to_string().into())
+        .unwrap();
+    let response = c.request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(
+        response.headers()["access-control-allow-origin"],
+        "https://app.example.com"
+    );
 }

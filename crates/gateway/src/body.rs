@@ -29,7 +29,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::Sleep;
 
 use crate::registry::{Failure, Registry};
-use crate::telemetry;
+use crate::telemetry::{self, Outcome};
 
 /// The ticket of a request the gateway routed.
 pub type GatewayTicket = Ticket<Arc<dyn Policy>>;
@@ -69,10 +69,19 @@ pub struct GuardedBody<B = Incoming> {
     yields: u32,
     /// A trailers frame that came after bytes still to hand on.
     held: Option<Frame<Bytes>>,
+    /// Told when the upstream breaks or stalls after the head went out.
+    outcome: Outcome,
 }
 
 impl<B> GuardedBody<B> {
-    pub fn new(inner: B, ticket: GatewayTicket, registry: Arc<Registry>, sse: bool, timing: Timing) -> Self {
+    pub fn new(
+        inner: B,
+        ticket: GatewayTicket,
+        registry: Arc<Registry>,
+        sse: bool,
+        timing: Timing,
+        outcome: Outcome,
+    ) -> Self {
         let endpoint = ticket.endpoint;
         Self {
             inner,
@@ -92,6 +101,7 @@ impl<B> GuardedBody<B> {
             batch: Batch::Empty,
             yields: 0,
             held: None,
+            outcome,
         }
     }
 
@@ -125,6 +135,8 @@ impl<B> GuardedBody<B> {
             .record_failure(self.endpoint, Failure::Engine, Instant::now());
         self.done = true;
         self.ticket = None;
+        let code = if kind == "timeout" { 504 } else { 502 };
+        self.outcome.set(code);
         if !self.sse {
             return Poll::Ready(Some(Err(err)));
         }
@@ -135,7 +147,6 @@ impl<B> GuardedBody<B> {
             Framing::LineEnded => "\n",
             Framing::InLine => "\n\n",
         };
-        let code = if kind == "timeout" { 504 } else { 502 };
         let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": code}});
         // After the bytes gathered and not yet handed on.
         self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
@@ -383,6 +394,7 @@ mod tests {
             registry,
             true,
             timing,
+            Outcome::default(),
         )
     }
 

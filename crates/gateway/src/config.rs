@@ -150,6 +150,9 @@ pub struct ServerConfig {
     pub max_connections: u32,
     /// Generation requests in flight at once; more are answered 503 with `Retry-After: 1` at once.
     pub max_in_flight: u32,
+    /// Browser origins allowed to call the gateway (CORS): `["*"]` for any, or exact origins such as
+    /// `"https://app.example.com"`. Empty (the default): no CORS headers, and a preflight `OPTIONS` is a 405.
+    pub cors_allow_origins: Vec<String>,
 }
 
 impl Default for ServerConfig {
@@ -161,6 +164,7 @@ impl Default for ServerConfig {
             drain_timeout_ms: 25_000,
             max_connections: 4096,
             max_in_flight: 2048,
+            cors_allow_origins: Vec::new(),
         }
     }
 }
@@ -177,6 +181,15 @@ impl ServerConfig {
         ] {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("server.{field} must be positive")));
+            }
+        }
+        for origin in &self.cors_allow_origins {
+            let exact = origin.starts_with("http://") || origin.starts_with("https://");
+            let valid = origin == "*" || (exact && axum::http::HeaderValue::from_str(origin).is_ok());
+            if !valid || (origin == "*" && self.cors_allow_origins.len() > 1) {
+                return Err(ConfigError::Invalid(format!(
+                    "server.cors_allow_origins: {origin:?} is not an origin (\"*\" alone, or origins like \"https://app.example.com\")"
+                )));
             }
         }
         Ok(())

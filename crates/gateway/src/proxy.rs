@@ -30,9 +30,15 @@ pub const RANK_HEADER: &str = "x-data-parallel-rank";
 /// The header vLLM reads.
 const VLLM_RANK_HEADER: &str = "x-data-parallel-rank";
 
-/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here).
+/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here); the request
+/// id is always there (the client's or a generated one).
 /// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
-const FORWARDED_HEADERS: [HeaderName; 3] = [header::AUTHORIZATION, header::ACCEPT, header::USER_AGENT];
+const FORWARDED_HEADERS: [HeaderName; 4] = [
+    header::AUTHORIZATION,
+    header::ACCEPT,
+    header::USER_AGENT,
+    HeaderName::from_static(crate::server::REQUEST_ID),
+];
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
 pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> Response {
@@ -158,6 +164,16 @@ fn upstream_request(
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
 }
 
+/// The path and query the worker gets: the client's, with `/v1` put in front of the OpenAI paths a client sent
+/// without it (`/chat/completions`, `/completions`), which not every engine serves.
+fn upstream_path(uri: &axum::http::Uri) -> String {
+    let path_and_query = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    match uri.path() {
+        "/chat/completions" | "/completions" => format!("/v1{path_and_query}"),
+        _ => path_and_query.to_string(),
+    }
+}
+
 /// Counts a routing decision (metrics and `GET /workers`).
 fn count_decision(state: &AppState, branch: Branch) {
     metrics::counter!(telemetry::DECISIONS, "policy" => state.policy.name(), "branch" => branch.as_str()).increment(1);
@@ -166,11 +182,7 @@ fn count_decision(state: &AppState, branch: Branch) {
 
 async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or(parts.uri.path(), |p| p.as_str())
-        .to_string();
+    let path_and_query = upstream_path(&parts.uri);
     let bytes = read_body(state, &parts.headers, body).await?;
     let Parsed {
         bytes,
@@ -291,8 +303,17 @@ fn relay(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let body = GuardedBody::new(incoming, ticket, Arc::clone(&state.registry), sse, timing);
+    let outcome = crate::telemetry::Outcome::default();
+    let body = GuardedBody::new(
+        incoming,
+        ticket,
+        Arc::clone(&state.registry),
+        sse,
+        timing,
+        outcome.clone(),
+    );
     let mut out = Response::new(Body::new(body));
+    out.extensions_mut().insert(outcome);
     *out.status_mut() = parts.status;
     let named_by_connection: Vec<String> = parts
         .headers

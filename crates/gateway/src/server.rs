@@ -13,7 +13,6 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use dprouter_core::WorkerId;
 use futures_util::future::join_all;
-use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -31,15 +30,19 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers/{id}", delete(remove_worker))
         .route("/flush_cache", post(flush_cache))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), require_admin_key));
-    Router::new()
+    let router = Router::new()
         .route("/v1/chat/completions", post(proxy::generate))
         .route("/v1/completions", post(proxy::generate))
+        // A client given the base URL without `/v1` (llama.cpp serves both): the same, sent on with `/v1`.
+        .route("/chat/completions", post(proxy::generate))
+        .route("/completions", post(proxy::generate))
         .route("/generate", post(proxy::generate))
         .route_layer(middleware::from_fn_with_state(
             InFlightLimit::new(state.config.server.max_in_flight),
             listener::limit_in_flight,
         ))
         .route("/v1/models", get(models))
+        .route("/models", get(models))
         .route("/health", get(|| async { "ok\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(render_metrics))
@@ -50,7 +53,77 @@ pub fn router(state: Arc<AppState>) -> Router {
         })
         .layer(middleware::from_fn(check_request_head))
         .layer(middleware::from_fn(count_requests))
-        .with_state(state)
+        .layer(middleware::from_fn(request_id));
+    let router = match cors(&state.config.server.cors_allow_origins) {
+        Some(cors) => router.layer(cors),
+        None => router,
+    };
+    router.with_state(state)
+}
+
+/// The CORS layer for `origins` (`None` when empty: CORS off). Preflights are answered by the layer itself.
+fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let allow = match origins {
+        [] => return None,
+        [any] if any == "*" => AllowOrigin::any(),
+        exact => AllowOrigin::list(exact.iter().filter_map(|o| o.parse().ok())),
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([axum::http::Method::GET, axum::http::Method::POST])
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                header::ACCEPT,
+                axum::http::HeaderName::from_static(REQUEST_ID),
+                axum::http::HeaderName::from_static(proxy::RANK_HEADER),
+                axum::http::HeaderName::from_static(proxy::FIRST_BYTE_TIMEOUT_HEADER),
+            ])
+            .expose_headers([
+                axum::http::HeaderName::from_static(REQUEST_ID),
+                axum::http::HeaderName::from_static("x-dprouter-endpoint"),
+            ])
+            .max_age(Duration::from_secs(600)),
+    )
+}
+
+/// The request id header: taken from the client when it sends a usable one, generated otherwise; the worker gets
+/// it and the client gets it back, on every answer.
+pub const REQUEST_ID: &str = "x-request-id";
+
+/// The longest client request id kept (longer ones are replaced by a generated one).
+const MAX_REQUEST_ID_BYTES: usize = 200;
+
+async fn request_id(mut request: Request, next: Next) -> Response {
+    let given = request
+        .headers()
+        .get(REQUEST_ID)
+        .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID_BYTES && v.to_str().is_ok())
+        .cloned();
+    let id = given.unwrap_or_else(new_request_id);
+    request.headers_mut().insert(REQUEST_ID, id.clone());
+    let mut response = next.run(request).await;
+    response.headers_mut().insert(REQUEST_ID, id);
+    response
+}
+
+/// 128 bits, as 32 hex digits: a process-wide counter through two randomly keyed hashes (unique within the
+/// process; across processes as unlikely to collide as random ids).
+fn new_request_id() -> axum::http::HeaderValue {
+    use std::hash::BuildHasher;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static KEYS: OnceLock<(
+        std::collections::hash_map::RandomState,
+        std::collections::hash_map::RandomState,
+    )> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let (a, b) = KEYS.get_or_init(Default::default);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let id = format!("{:016x}{:016x}", a.hash_one(n), b.hash_one(n));
+    axum::http::HeaderValue::from_str(&id).unwrap_or_else(|_| axum::http::HeaderValue::from_static("0"))
 }
 
 /// Serves the gateway on `listener` until `shutdown` completes, running its background tasks meanwhile; then drains
@@ -104,10 +177,7 @@ async fn count_requests(request: Request, next: Next) -> Response {
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
     let started = Instant::now();
     let response = next.run(request).await;
-    let status = response.status().as_u16().to_string();
-    metrics::counter!(telemetry::REQUESTS, "route" => route.clone(), "status" => status).increment(1);
-    metrics::histogram!(telemetry::DURATION, "route" => route).record(started.elapsed().as_secs_f64());
-    response
+    telemetry::Counted::wrap(response, route, started)
 }
 
 /// Middleware of the admin routes: [`admin_access`] with the connection's peer address.
@@ -194,36 +264,54 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /v1/models`, answered by a healthy worker.
-async fn models(State(state): State<Arc<AppState>>) -> Result<Response, ApiError> {
+/// How long `GET /v1/models` waits for one worker's answer before it asks the next one.
+const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// `GET /v1/models` (and `/models`): the answer of the first healthy worker that gives one within
+/// [`MODELS_TIMEOUT`], with the client's `Authorization` (an engine started with an API key wants it); a worker
+/// that fails or stalls is passed over for the next. 502 when none answers.
+async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Response, ApiError> {
     let membership = state.registry.membership();
-    let target = membership
-        .snapshot
-        .healthy()
-        .first()
-        .map(|&i| &membership.targets[i])
-        .ok_or(dprouter_core::RouteError::NoHealthyEndpoint)?;
-    let request = hyper::Request::get(format!("{}/v1/models", target.base))
-        .body(crate::upstream::Chunks::default())
-        .map_err(|e| ApiError::Unavailable(e.to_string()))?;
-    let response = state.upstream.send(request).await.map_err(|e| ApiError::Upstream {
-        endpoint: target.label(),
-        message: crate::upstream::error_chain(&e),
-    })?;
-    let (parts, body) = response.into_parts();
-    let bytes = body
-        .collect()
-        .await
-        .map_err(|e| ApiError::Upstream {
-            endpoint: target.label(),
-            message: e.to_string(),
-        })?
-        .to_bytes();
-    let mut out = Response::new(axum::body::Body::from(bytes));
-    *out.status_mut() = parts.status;
-    if let Some(ct) = parts.headers.get(header::CONTENT_TYPE) {
-        out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+    let mut asked = Vec::new();
+    let mut failure = None;
+    for &i in membership.snapshot.healthy() {
+        let target = &membership.targets[i];
+        if asked.contains(&target.id.worker) {
+            continue;
+        }
+        asked.push(target.id.worker);
+        let mut request = hyper::Request::get(format!("{}/v1/models", target.base));
+        for name in [
+            header::AUTHORIZATION,
+            header::ACCEPT,
+            axum::http::HeaderName::from_static(REQUEST_ID),
+        ] {
+            if let Some(v) = headers.get(&name) {
+                request = request.header(name, v);
+            }
+        }
+        let request = request
+            .body(crate::upstream::Chunks::default())
+            .map_err(|e| ApiError::Unavailable(e.to_string()))?;
+        match state.upstream.exchange(request, MODELS_TIMEOUT).await {
+            Ok((status, upstream_headers, bytes)) => {
+                let mut out = Response::new(axum::body::Body::from(bytes));
+                *out.status_mut() = status;
+                if let Some(ct) = upstream_headers.get(header::CONTENT_TYPE) {
+                    out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());
+                }
+                return Ok(out);
+            }
+            Err(message) => {
+                tracing::warn!(endpoint = %target.label(), error = %message, "GET /v1/models failed");
+                failure = Some(ApiError::Upstream {
+                    endpoint: target.label(),
+                    message: "no answer to GET /v1/models".into(),
+                });
+            }
+        }
     }
-    Ok(out)
+    Err(failure.unwrap_or_else(|| dprouter_core::RouteError::NoHealthyEndpoint.into()))
 }
 
 /// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.

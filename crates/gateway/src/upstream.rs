@@ -53,20 +53,26 @@ impl Upstream {
             .uri(url)
             .body(Chunks::default())
             .map_err(|e| format!("bad URL {url}: {e}"))?;
+        let (status, _, body) = self.exchange(request, timeout).await?;
+        Ok((status, body))
+    }
+
+    /// Sends `request` and reads the whole answer, all within `timeout`: status, headers and body.
+    pub async fn exchange(
+        &self,
+        request: Request<Chunks>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, hyper::HeaderMap, Bytes), String> {
+        let url = request.uri().to_string();
         let exchange = async {
             let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
-            let status = response.status();
-            let body = response
-                .into_body()
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok((status, body))
+            let (parts, body) = response.into_parts();
+            let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+            Ok((parts.status, parts.headers, body))
         };
         tokio::time::timeout(timeout, exchange)
             .await
-            .map_err(|_| format!("{url}: timed out"))?
+            .map_err(|_| format!("{url}: no answer within {timeout:?}"))?
     }
 
     /// `GET url/health` answered 200 within the timeout.
