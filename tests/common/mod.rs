@@ -82,6 +82,8 @@ pub fn client() -> HttpClient {
 pub struct Reply {
     pub status: StatusCode,
     pub rank: Option<u64>,
+    /// The gateway's `x-dprouter-endpoint` (`w0r1`), when it answered through an endpoint.
+    pub endpoint: Option<String>,
     pub json: Value,
     pub text: String,
 }
@@ -115,6 +117,10 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
         .headers()
         .get("x-dp-rank")
         .and_then(|v| v.to_str().ok()?.parse().ok());
+    let endpoint = resp
+        .headers()
+        .get("x-dprouter-endpoint")
+        .and_then(|v| Some(v.to_str().ok()?.to_string()));
     let bytes = tokio::time::timeout(ANSWER_LIMIT, resp.into_body().collect())
         .await
         .unwrap_or_else(|_| panic!("the body did not end within {ANSWER_LIMIT:?}"))
@@ -124,6 +130,7 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
     Reply {
         status,
         rank,
+        endpoint,
         json: serde_json::from_str(&text).unwrap_or(Value::Null),
         text,
     }
@@ -223,4 +230,78 @@ pub fn json_answer(body: &str) -> String {
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
         body.len()
     )
+}
+
+/// The Python of a virtual environment (`target/tmp/llama-venv`) holding llama.cpp and SmolLM2-135M, installed
+/// by `scripts/llama_servers.py install` (again whenever the script changes: it holds the pins).
+pub fn llama_python() -> std::path::PathBuf {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _serial = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/llama_servers.py");
+    let venv = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama-venv");
+    let python = venv.join("bin").join("python");
+    let stamp = venv.join("dprouter-installed-by.py");
+    let wanted = std::fs::read_to_string(&script).unwrap();
+    if std::fs::read_to_string(&stamp).ok().as_deref() == Some(wanted.as_str()) && python.exists() {
+        return python;
+    }
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("install")
+        .arg(&venv)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "installing llama.cpp failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::write(&stamp, wanted).unwrap();
+    python
+}
+
+/// llama.cpp servers (`scripts/llama_servers.py run`), stopped when dropped.
+pub struct LlamaServers {
+    child: Child,
+    pub urls: Vec<String>,
+}
+
+impl LlamaServers {
+    /// `count` servers of `slots` slots each (one prompt cached per slot), one thread each.
+    pub fn start(count: usize, slots: usize) -> Self {
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/llama_servers.py");
+        let mut child = Command::new(llama_python())
+            .arg(&script)
+            .args([
+                "run",
+                "--quiet",
+                "--count",
+                &count.to_string(),
+                "--slots",
+                &slots.to_string(),
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut urls = Vec::new();
+        let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            if line == "ready" {
+                break;
+            }
+            urls.push(line.rsplit(' ').next().unwrap().to_string());
+        }
+        assert_eq!(urls.len(), count, "the llama.cpp servers did not start");
+        LlamaServers { child, urls }
+    }
+}
+
+impl Drop for LlamaServers {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }

@@ -82,6 +82,11 @@ pub struct WorkerConfig {
     /// SGLang only: how the rank is sent (a body field, or the header on `/v1/*`).
     #[serde(default)]
     pub rank_field: RankField,
+    /// Prompt tokens each of the worker's ranks keeps cached, for cache-aware policies: what SGLang reports
+    /// (`max_total_num_tokens`) when absent; for other engines the policy's `kv_capacity_tokens` when absent. A
+    /// llama.cpp server keeps one prompt per slot: slots times the prompt length its clients send.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_tokens: Option<u64>,
 }
 
 /// Active and passive health checking.
@@ -394,6 +399,12 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
             w.url
         )));
     }
+    if w.kv_capacity_tokens == Some(0) {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: kv_capacity_tokens must be positive",
+            w.url
+        )));
+    }
     if w.backend == Backend::Openai && w.dp_size.is_some_and(|n| n != 1) {
         return Err(ConfigError::Invalid(format!(
             "worker `{}`: an openai backend is one endpoint (dp_size 1)",
@@ -525,6 +536,7 @@ mod tests {
             backend: Backend::Vllm,
             dp_size: Some(MAX_DP_SIZE),
             rank_field: RankField::default(),
+            kv_capacity_tokens: None,
         }))
         .is_ok());
         // A config built in code (the command line's flags) gets the same checks.

@@ -239,7 +239,7 @@ impl Registry {
             url: config.url.trim_end_matches('/').to_string(),
             backend: config.backend,
             rank_field: config.rank_field,
-            kv_capacity: info.kv_capacity,
+            kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
             endpoints: (0..info.dp_size)
                 .map(|rank| {
                     Arc::new(EndpointState::new(EndpointId {
@@ -477,6 +477,7 @@ mod tests {
             backend: Backend::Sglang,
             dp_size: None,
             rank_field: RankField::RoutedDpRank,
+            kv_capacity_tokens: None,
         }
     }
 

@@ -23,9 +23,12 @@
 //!    recomputes prefixes it already holds, and the extra work makes the queues longer still. The term counts the
 //!    candidate's own queue, not the fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still
 //!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Ties go
-//!    to the longer match, then the fewer requests in flight, then the higher rendezvous score of the prompt's
-//!    first block. So a prompt that no endpoint holds (branch `cold`) goes
-//!    to the least loaded endpoints' rendezvous choice, and replicas agree on cold placements of an idle fleet.
+//!    to the longer match, then the fewer requests in flight, then the fewer blocks of other prompts the endpoint
+//!    would have to forget to make room (its capacity, less what the index holds there), then the higher
+//!    rendezvous score of the prompt's first block. So a prompt that no endpoint holds (branch `cold`) goes to the
+//!    least loaded endpoints with room for it, by rendezvous among them: two sessions on engines that each hold
+//!    one prompt (a llama.cpp slot, with the worker's `kv_capacity_tokens` set to about one prompt) split instead
+//!    of evicting each other, and replicas agree on cold placements of an idle fleet with room.
 //!    Cache affinity and load balance come from one cost, with no hit or miss thresholds. The choice is greedy,
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
 //!    (`docs/measurements.md`, "Agents that arrive apart").
@@ -281,6 +284,11 @@ impl Policy for CacheAware {
         let mut lens = vec![0u32; state.index.slot_count()];
         state.index.match_lengths(hashes, &mut lens);
         let blocks_at = |r: usize| lens[state.slot_of_rank[r]] as usize;
+        // Blocks of other prompts the endpoint's cache would have to drop to take this one's new blocks.
+        let evicted_at = |r: usize, blocks: usize| {
+            let slot = state.slot_of_rank[r];
+            (state.index.slot_len(slot) + hashes.len() - blocks).saturating_sub(state.index.capacity(slot))
+        };
         let best_match = c.iter().map(blocks_at).max().unwrap_or(0);
         let (rank, blocks, uncached) = c
             .iter()
@@ -305,6 +313,7 @@ impl Policy for CacheAware {
                     cost,
                     std::cmp::Reverse(blocks),
                     load.in_flight_requests(),
+                    evicted_at(r, blocks),
                     std::cmp::Reverse(rendezvous_score(key, snap.endpoints()[r].id)),
                 );
                 (order, (r, blocks, uncached))
@@ -649,5 +658,31 @@ mod tests {
         let pick = route(&p, &degraded, &req).unwrap();
         assert_ne!(pick.rank, home);
         assert_eq!(pick.branch, Branch::Cold);
+    }
+}
+
+#[cfg(test)]
+mod capacity_tests {
+    use super::*;
+    use crate::endpoint::Endpoint;
+    use crate::policy::dispatch;
+
+    #[test]
+    fn a_cold_prompt_goes_where_it_evicts_nothing() {
+        // Room for one 1,800-byte prompt (7 blocks of 256 bytes) per endpoint, not two.
+        let snap = Snapshot::new(
+            (0..2)
+                .map(|r| Endpoint::new(EndpointId::new(r, 0)).with_kv_capacity(640))
+                .collect(),
+        );
+        let text = |agent: u32| format!("You are agent number {agent}. {}", "tools and more ".repeat(118));
+        for first in 0..8 {
+            let p = CacheAware::default();
+            let a = dispatch(&p, &snap, RouteRequest::text(&text(first))).unwrap();
+            let a_rank = a.pick.rank;
+            drop(a);
+            let b = dispatch(&p, &snap, RouteRequest::text(&text(first + 100))).unwrap();
+            assert_ne!(b.pick.rank, a_rank, "{first}: {:?}", p.index_stats());
+        }
     }
 }

@@ -3,8 +3,9 @@
 //!
 //! Algorithm:
 //! 1. Key: XXH3-64 of the prompt's first `min(len, W)` units, `W` = `key_tokens` (token ids) or `key_bytes` (text).
-//!    The defaults (1,024 tokens, 4,096 bytes ≈ 1,024 tokens) are shorter than a typical first turn (system prompt,
-//!    tools, first user message), so a conversation keeps one key as it grows: every later turn extends the first
+//!    The defaults (1,024 tokens; 1,024 bytes ≈ 250 tokens of a chat rendering, chosen against real chat agents:
+//!    `docs/policies.md`) are shorter than a typical first turn (system prompt, tools, first user message), so a
+//!    conversation keeps one key as it grows: every later turn extends the first
 //!    and shares its first `W` units. A prompt shorter than `W` hashes whole (a short conversation changes key until
 //!    it reaches `W`, once per turn, instead of every 256 tokens up to 4,096 as `prefix_match` does). Conversations
 //!    whose common prefix (system prompt) is longer than `W` share a key, so they share a home endpoint and its
@@ -85,7 +86,7 @@ impl Default for PrefixAffinityConfig {
     fn default() -> Self {
         Self {
             key_tokens: 1024,
-            key_bytes: 4096,
+            key_bytes: 1024,
             epsilon: 0.25,
             load: AffinityLoad::Prefill,
         }

