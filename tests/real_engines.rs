@@ -99,20 +99,24 @@ fn gateway(engines: &LlamaServers, policy: &str, capacity: u64) -> Proc {
     Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", path.to_str().unwrap()])
 }
 
-/// Runs `pairs` pairs of agents, each on fresh engines behind a fresh gateway; returns the hits of every agent.
-async fn pairs_of_agents(policy: &str, pairs: usize, report: &mut String) -> Vec<usize> {
+/// Runs `groups` groups of `per_group` agents, each group on two fresh engines of `slots` slots behind a fresh
+/// gateway; returns the hits of every agent.
+async fn groups_of_agents(
+    policy: &str,
+    groups: usize,
+    per_group: usize,
+    slots: usize,
+    report: &mut String,
+) -> Vec<usize> {
     let mut hits = Vec::new();
-    for pair in 0..pairs {
-        let engines = LlamaServers::start(2, 1);
-        // About one conversation per engine in the index's units (text: 4 bytes a token, 64-token blocks): each
-        // agent's conversation is 6 to 7 blocks here, two do not fit.
-        let gw = gateway(&engines, policy, 640);
-        let seen = converse(&gw.url, &[2 * pair, 2 * pair + 1], 4).await;
-        report.push_str(&format!(
-            "{policy}, agents {} and {}: {seen:?}\n",
-            2 * pair,
-            2 * pair + 1
-        ));
+    for group in 0..groups {
+        let engines = LlamaServers::start(2, slots);
+        // About one conversation per slot in the index's units (text: 4 bytes a token, 64-token blocks): each
+        // agent's conversation is 6 to 7 blocks here.
+        let gw = gateway(&engines, policy, 640 * slots as u64);
+        let agents: Vec<usize> = (group * per_group..(group + 1) * per_group).collect();
+        let seen = converse(&gw.url, &agents, 4).await;
+        report.push_str(&format!("{policy}, agents {agents:?}: {seen:?}\n"));
         hits.extend(seen.iter().map(Seen::hits));
         // What the clients saw is what the gateway counted.
         let prompt: u64 = seen.iter().flat_map(|s| &s.turns).map(|t| t.1).sum();
@@ -127,12 +131,30 @@ async fn pairs_of_agents(policy: &str, pairs: usize, report: &mut String) -> Vec
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_on_two_one_slot_engines() {
     let mut report = String::new();
-    let cache_aware = pairs_of_agents("cache_aware", 4, &mut report).await;
-    let round_robin = pairs_of_agents("round_robin", 1, &mut report).await;
-    let prefix_affinity = pairs_of_agents("prefix_affinity", 2, &mut report).await;
+    let cache_aware = groups_of_agents("cache_aware", 4, 2, 1, &mut report).await;
+    let round_robin = groups_of_agents("round_robin", 1, 2, 1, &mut report).await;
+    let prefix_affinity = groups_of_agents("prefix_affinity", 2, 2, 1, &mut report).await;
     eprintln!("hits of 3 per agent: cache_aware {cache_aware:?}, round_robin {round_robin:?}, prefix_affinity {prefix_affinity:?}\n{report}");
     assert!(
         cache_aware.iter().all(|&h| h == 3),
         "cache_aware {cache_aware:?}\n{report}"
+    );
+}
+
+/// Four agents on two engines with two slots each: room for all four conversations, two per engine. An oracle
+/// placement hits on every turn after each agent's first (12 of 12).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_agents_on_two_two_slot_engines() {
+    let mut report = String::new();
+    let mut totals = Vec::new();
+    for policy in ["cache_aware", "prefix_match", "round_robin"] {
+        let hits: usize = groups_of_agents(policy, 1, 4, 2, &mut report).await.iter().sum();
+        totals.push((policy, hits));
+    }
+    eprintln!("hits of 12 (an oracle placement: 12): {totals:?}\n{report}");
+    let cache_aware = totals[0].1;
+    assert!(
+        cache_aware * 10 >= 12 * 9,
+        "cache_aware hit {cache_aware} of 12\n{report}"
     );
 }
