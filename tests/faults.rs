@@ -357,11 +357,8 @@ async fn idle_upstream_connections_are_closed() {
 /// gateway serves with the others, and adds its ranks after theirs when it answers, renumbering nobody.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_down_at_start_is_added_when_it_answers() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Held (refusing connections) until the late worker starts, so that no other test's server takes the port.
+    let (held, port) = common::hold_port(0);
     let late_url = format!("http://127.0.0.1:{port}");
     let live = Proc::engine(&["--dp-size", "2"]);
     let config = config_file("pending", "[health]\ninterval_ms = 200\n");
@@ -394,6 +391,7 @@ async fn a_worker_down_at_start_is_added_when_it_answers() {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
 
     let listen = format!("127.0.0.1:{port}");
+    drop(held);
     let late = Proc::start(&["mock-engine", "--listen", &listen, "--preset", "zero", "--dp-size", "3"]);
     assert_eq!(late.url, late_url);
     let added = common::eventually(Duration::from_secs(5), || async {
@@ -563,6 +561,8 @@ async fn a_worker_killed_mid_stream_and_restarted_is_back_within_a_second() {
         .collect();
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.kill();
+    // Until the restart, the port refuses connections, as a dead engine's does, and no other test can take it.
+    let (held, _) = common::hold_port(common::port_of(&a.url));
     let mut errors = 0;
     for s in streams {
         let reply = s.await.unwrap();
@@ -589,6 +589,7 @@ async fn a_worker_killed_mid_stream_and_restarted_is_back_within_a_second() {
         );
     }
     let restarted = Instant::now();
+    drop(held);
     let _a = Proc::start(&["mock-engine", "--listen", &listen, "--preset", "zero", "--dp-size", "1"]);
     let back = common::eventually(Duration::from_secs(5), || async {
         let response = common::send(&c, &url, &[], generate("back?", false).to_string()).await;

@@ -239,6 +239,8 @@ async fn a_killed_engine_is_marked_down_and_traffic_moves() {
         assert_eq!(post(&c, &url, &[], &generate("x")).await.status, StatusCode::OK);
     }
     a.kill();
+    // A dead engine's port refuses connections; held here, no other test's server can take it meanwhile.
+    let (_held, _) = common::hold_port(common::port_of(&a.url));
     for i in 0..6 {
         let reply = post(&c, &url, &[], &generate("x")).await;
         assert_eq!(

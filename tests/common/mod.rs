@@ -305,3 +305,18 @@ impl Drop for LlamaServers {
         let _ = self.child.wait();
     }
 }
+
+/// Holds a loopback port without listening on it: connections to it are refused, and no other process (another
+/// test's server binding port 0) can take it, until the socket is dropped. Port 0 picks a free one.
+pub fn hold_port(port: u16) -> (tokio::net::TcpSocket, u16) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_reuseaddr(true).unwrap();
+    socket.bind(([127, 0, 0, 1], port).into()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    (socket, port)
+}
+
+/// The port of a `http://127.0.0.1:PORT` URL.
+pub fn port_of(url: &str) -> u16 {
+    url.rsplit(':').next().unwrap().trim_end_matches('/').parse().unwrap()
+}
