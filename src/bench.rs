@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use dprouter_bench::{BenchConfig, BenchOutcome, Routing};
+use dprouter_bench::{Api, BenchConfig, BenchOutcome, Routing};
 use dprouter_core::PolicyConfig;
 use dprouter_mock_engine::{serve, Engine, EngineConfig};
 use dprouter_sim::report::table;
@@ -35,6 +35,14 @@ enum RouteBy {
     Server,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ApiArg {
+    /// SGLang's `POST /generate` with `input_ids`.
+    Generate,
+    /// `POST /v1/completions` with the token ids as `prompt`: any OpenAI-compatible server (vLLM, llama.cpp).
+    Completions,
+}
+
 #[derive(Debug, Args)]
 #[command(
     after_help = "Ctrl-C stops sending, abandons the requests in flight (not counted as errors), prints the \
@@ -51,6 +59,16 @@ pub struct BenchArgs {
     /// Who picks ranks.
     #[arg(long, value_enum, default_value = "client")]
     route: RouteBy,
+    /// The API the requests use.
+    #[arg(long, value_enum, default_value = "generate")]
+    api: ApiArg,
+    /// The `model` of completions requests (vLLM wants the name it serves).
+    #[arg(long, default_value = "default")]
+    model: String,
+    /// The model's vocabulary size, for completions: the workload's token ids are mapped into it (the workload's
+    /// come from 151,936 ids; an engine refuses ids its model does not have).
+    #[arg(long)]
+    vocab: Option<u32>,
     /// Ranks of the embedded engine, and of client-side routing.
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     dp_size: u32,
@@ -170,6 +188,14 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             };
             let config = BenchConfig {
                 target,
+                api: match args.api {
+                    ApiArg::Generate => Api::Generate,
+                    ApiArg::Completions => Api::Completions {
+                        model: args.model.clone(),
+                        vocab: args.vocab,
+                    },
+                },
+                seed: args.seed,
                 time_scale: args.time_scale,
                 routing,
             };

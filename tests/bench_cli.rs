@@ -96,3 +96,41 @@ fn quiet_prints_only_the_results() {
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(stdout.lines().any(|l| l.starts_with("http:round_robin ")), "{stdout}");
 }
+
+/// `--api completions`: the workload as OpenAI completions with token-id prompts (mapped into `--vocab`), TTFT from
+/// the first chunk with text, cached tokens from the usage report; a closed-loop agent's later turns hit.
+#[test]
+fn completions_reach_an_openai_server_and_read_its_cache_report() {
+    let out = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .args([
+            "bench",
+            "--workload",
+            "agent:agents=1,turns=3,prefix_len=200",
+            "--preset",
+            "zero",
+            "--dp-size",
+            "1",
+            "--policy",
+            "round_robin",
+            "--api",
+            "completions",
+            "--vocab",
+            "49152",
+            "--quiet",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    let row: Vec<&str> = stdout
+        .lines()
+        .find(|l| l.starts_with("http:round_robin "))
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    // requests, ..., hit (the 8th column), ..., errors (last).
+    assert_eq!(row[1], "3", "{stdout}");
+    assert_eq!(*row.last().unwrap(), "0", "{stdout}");
+    let hit: f64 = row[7].parse().unwrap();
+    assert!(hit > 0.5, "the later turns hit: {stdout}");
+}

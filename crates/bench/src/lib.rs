@@ -1,7 +1,13 @@
 //! The HTTP benchmark driver: replays a simulator [`Workload`] against a live server (a mock or real SGLang
 //! engine, or a dprouter gateway in front of engines) in scaled real time, measuring TTFT from the response stream.
 //!
-//! Requests go to `POST /generate` with `input_ids`, `stream: true`; TTFT is the time to the first `data:` event.
+//! Requests go to `POST /generate` with `input_ids`, `stream: true` ([`Api::Generate`], SGLang's native API), or to
+//! `POST /v1/completions` with the token ids as the `prompt` ([`Api::Completions`], any OpenAI-compatible server:
+//! vLLM, llama.cpp, SGLang); TTFT is the time to the first event that carries output (SGLang's first event, the
+//! first completion chunk with text). Cached tokens come from the engine's usage report, whichever form it takes
+//! ([`UsageScanner`]). A completion's output token ids are not returned by OpenAI servers, so a closed-loop
+//! workload's next turn carries the simulator's output tokens for it instead of the engine's: the engine's cache
+//! still holds the previous prompt, not the previous answer.
 //! Arrivals and think times are the workload's virtual times multiplied by `time_scale`, and measured times are
 //! divided by it, so results compare one to one with `dprouter simulate` on the same workload. With
 //! [`Routing::Client`] the driver itself routes with a core policy and pins the rank (`routed_dp_rank`): the engine
@@ -39,9 +45,27 @@ pub enum Routing<'a> {
     Server,
 }
 
+/// Which API the requests use.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Api {
+    /// SGLang's `POST /generate` with `input_ids`.
+    Generate,
+    /// `POST /v1/completions` with the token ids as `prompt`, naming `model`; with `vocab`, every id is mapped into
+    /// `256..vocab` (`256 + id % (vocab - 256)`: the workload's ids come from a 151,936-token vocabulary, a smaller
+    /// model refuses ids it does not have, and the first ids are often special tokens). Prompts that share a
+    /// prefix still do.
+    Completions { model: String, vocab: Option<u32> },
+}
+
+/// The lowest token id a mapped prompt uses.
+const FIRST_MAPPED_ID: u32 = 256;
+
 pub struct BenchConfig<'a> {
     /// Base URL of the target, e.g. `http://127.0.0.1:30000`.
     pub target: String,
+    pub api: Api,
+    /// The workload's seed (a completion's stand-in output tokens).
+    pub seed: u64,
     /// Real seconds per virtual second.
     pub time_scale: f64,
     pub routing: Routing<'a>,
@@ -80,7 +104,10 @@ struct Measured {
     first_token: Instant,
     finish: Instant,
     cached_tokens: usize,
+    /// The rank that served it, as the engine says (SGLang's `meta_info.dp_rank`, the mock's `x-dp-rank`).
     served_rank: Option<usize>,
+    /// The endpoint that served it, as a gateway says (`x-dprouter-endpoint`).
+    served_endpoint: Option<String>,
     output_ids: Vec<u32>,
 }
 
@@ -113,9 +140,15 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
     on_progress: &mut dyn FnMut(usize),
 ) -> Result<BenchOutcome, BenchError> {
-    let url: hyper::Uri = format!("{}/generate", config.target.trim_end_matches('/'))
+    let path = match config.api {
+        Api::Generate => "/generate",
+        Api::Completions { .. } => "/v1/completions",
+    };
+    let url: hyper::Uri = format!("{}{path}", config.target.trim_end_matches('/'))
         .parse()
         .map_err(|_| BenchError::Target(config.target.clone()))?;
+    // Endpoints named by a gateway (`x-dprouter-endpoint`), numbered as they are first seen.
+    let mut endpoints: HashMap<String, usize> = HashMap::new();
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
     let client: HttpClient = Client::builder(TokioExecutor::new()).build(connector);
@@ -187,11 +220,29 @@ pub async fn run(
                     (None, None) => None,
                 };
                 let Some(req) = req else { continue };
-                let mut body = json!({
-                    "input_ids": req.tokens,
-                    "sampling_params": {"max_new_tokens": req.output_tokens, "ignore_eos": true},
-                    "stream": true,
-                });
+                let mut body = match &config.api {
+                    Api::Generate => json!({
+                        "input_ids": req.tokens,
+                        "sampling_params": {"max_new_tokens": req.output_tokens, "ignore_eos": true},
+                        "stream": true,
+                    }),
+                    Api::Completions { model, vocab } => json!({
+                        "model": model,
+                        "prompt": match vocab {
+                            Some(v) if *v > FIRST_MAPPED_ID => req
+                                .tokens
+                                .iter()
+                                .map(|&id| FIRST_MAPPED_ID + id % (v - FIRST_MAPPED_ID))
+                                .collect(),
+                            _ => req.tokens.clone(),
+                        },
+                        "max_tokens": req.output_tokens,
+                        "ignore_eos": true,
+                        "temperature": 0,
+                        "stream": true,
+                        "stream_options": {"include_usage": true},
+                    }),
+                };
                 let mut rank = 0;
                 if let Routing::Client { policy, .. } = config.routing {
                     let route_req = RouteRequest::tokens(req.tokens.clone()).at(to_virtual(Instant::now()));
@@ -209,9 +260,15 @@ pub async fn run(
                     }
                 }
                 in_flight += 1;
-                let (client, url, tx) = (client.clone(), url.clone(), done_tx.clone());
+                let (client, url, tx, api) = (client.clone(), url.clone(), done_tx.clone(), config.api.clone());
+                let stand_in = match api {
+                    Api::Generate => None,
+                    Api::Completions { .. } => {
+                        Some(dprouter_sim::tokens::output(config.seed, req.id, req.output_tokens as usize))
+                    }
+                };
                 tasks.spawn(async move {
-                    let result = send(&client, url, body, req.id, &tx).await;
+                    let result = send(&client, url, body, req.id, &tx, stand_in).await;
                     let _ = tx.send(Report::Finished(Finished { req, rank, result }));
                 });
             }
@@ -243,7 +300,14 @@ pub async fn run(
                         continue;
                     }
                 };
-                let rank = measured.served_rank.unwrap_or(done.rank);
+                let rank = match (&measured.served_endpoint, measured.served_rank) {
+                    (Some(label), _) => {
+                        let next = endpoints.len();
+                        *endpoints.entry(label.clone()).or_insert(next)
+                    }
+                    (None, Some(rank)) => rank,
+                    (None, None) => done.rank,
+                };
                 if outcome.routed_per_rank.len() <= rank {
                     outcome.routed_per_rank.resize(rank + 1, 0);
                 }
@@ -275,14 +339,16 @@ pub async fn run(
     Ok(BenchOutcome { outcome, stopped })
 }
 
-/// Sends one streaming `/generate` request and reads it to the end, reporting its first token and its usage
-/// report on `reports` as they arrive.
+/// Sends one streaming request and reads it to the end, reporting its first token and its usage report on
+/// `reports` as they arrive. `stand_in` is the output a completion's answer stands for (`None`: SGLang's
+/// `/generate`, whose last event carries the output ids).
 async fn send(
     client: &HttpClient,
     url: hyper::Uri,
     body: Value,
     id: u64,
     reports: &mpsc::UnboundedSender<Report>,
+    stand_in: Option<Vec<u32>>,
 ) -> Result<Measured, String> {
     let request = Request::post(url)
         .header("content-type", "application/json")
@@ -292,21 +358,32 @@ async fn send(
     if response.status() != StatusCode::OK {
         return Err(format!("status {}", response.status()));
     }
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let served_endpoint = header("x-dprouter-endpoint");
+    let header_rank = header("x-dp-rank").and_then(|r| r.parse::<usize>().ok());
     let mut first_token = None;
     let mut buffer = Vec::new();
     let mut scanner = UsageScanner::new(true);
+    let mut usage = None;
     while let Some(frame) = response.body_mut().frame().await {
         let frame = frame.map_err(|e| e.to_string())?;
         if let Ok(data) = frame.into_data() {
-            if first_token.is_none() {
+            buffer.extend_from_slice(&data);
+            if first_token.is_none() && has_output(&buffer, stand_in.is_none()) {
                 let at = Instant::now();
                 first_token = Some(at);
                 let _ = reports.send(Report::FirstToken { id, at });
             }
-            if let Some(usage) = scanner.feed(&data) {
-                let _ = reports.send(Report::Usage { id, usage });
+            if let Some(u) = scanner.feed(&data) {
+                usage = Some(u);
+                let _ = reports.send(Report::Usage { id, usage: u });
             }
-            buffer.extend_from_slice(&data);
         }
     }
     let finish = Instant::now();
@@ -322,14 +399,38 @@ async fn send(
         .and_then(|e| serde_json::from_str(e).ok())
         .ok_or("no data events")?;
     let meta = &last["meta_info"];
-    Ok(Measured {
-        first_token: first_token.unwrap_or(finish),
-        finish,
-        cached_tokens: meta["cached_tokens"].as_u64().unwrap_or(0) as usize,
-        served_rank: meta["dp_rank"].as_u64().map(|r| r as usize),
-        output_ids: last["output_ids"]
+    let output_ids = match stand_in {
+        Some(ids) => ids,
+        None => last["output_ids"]
             .as_array()
             .map(|ids| ids.iter().filter_map(|v| v.as_u64().map(|id| id as u32)).collect())
             .unwrap_or_default(),
+    };
+    Ok(Measured {
+        first_token: first_token.unwrap_or(finish),
+        finish,
+        cached_tokens: usage.map_or(0, |u| u.cached_tokens as usize),
+        served_rank: meta["dp_rank"].as_u64().map(|r| r as usize).or(header_rank),
+        served_endpoint,
+        output_ids,
     })
+}
+
+/// Whether the stream so far holds a complete event with output: any event for SGLang's `/generate`; a
+/// completion chunk with non-empty `text` otherwise (the first chunks of some servers carry none).
+fn has_output(buffer: &[u8], any_event: bool) -> bool {
+    let text = String::from_utf8_lossy(buffer);
+    // Complete events only: those before the last blank line.
+    let complete = text.rfind("\n\n").map_or("", |end| &text[..end]);
+    complete
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data:").map(str::trim))
+        .filter(|e| *e != "[DONE]")
+        .any(|e| {
+            any_event
+                || serde_json::from_str::<Value>(e)
+                    .ok()
+                    .and_then(|v| v["choices"][0]["text"].as_str().map(|t| !t.is_empty()))
+                    .unwrap_or(false)
+        })
 }
