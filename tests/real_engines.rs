@@ -158,3 +158,33 @@ async fn four_agents_on_two_two_slot_engines() {
         "cache_aware hit {cache_aware} of 12\n{report}"
     );
 }
+
+/// The OpenAI SDK, streaming with `include_usage`, drives two agents through the gateway: the prompt and cached
+/// tokens the gateway counts are exactly what the engines reported to the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_counts_what_the_engines_report_to_the_sdk() {
+    let engines = LlamaServers::start(2, 1);
+    let gw = gateway(&engines, "cache_aware", 640);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/openai_agents.py");
+    let python = common::python();
+    let base = format!("{}/v1", gw.url);
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .args([script, base.as_str(), "3"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (prompt, cached) = counters(&gw.url).await;
+    assert_eq!(
+        (
+            seen["prompt_tokens"].as_u64().unwrap(),
+            seen["cached_tokens"].as_u64().unwrap()
+        ),
+        (prompt, cached)
+    );
+    assert!(cached * 2 > prompt, "the later turns hit: {cached} of {prompt}");
+}
