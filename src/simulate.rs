@@ -88,6 +88,10 @@ pub(crate) fn progress_bar(message: &str, expected: Option<u64>, quiet: bool) ->
 /// Fails before a long run when `--plot`'s file cannot be created (an existing file is left as it is until the end).
 pub(crate) fn check_plot_path(path: Option<&std::path::Path>) -> anyhow::Result<()> {
     if let Some(path) = path {
+        // Its folder is made if missing, as `-o DIR/FILE` does for most tools.
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot make the folder {}", dir.display()))?;
+        }
         std::fs::OpenOptions::new()
             .append(true)
             .create(true)

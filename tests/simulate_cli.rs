@@ -183,6 +183,23 @@ fn plot_writes_an_svg_figure_and_quiet_keeps_stderr_empty() {
 }
 
 #[test]
+fn a_missing_plot_folder_is_made() {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("plots-made-here");
+    let _ = std::fs::remove_dir_all(&dir);
+    let path = dir.join("figure.svg");
+    let out = simulate(&[
+        "--workload",
+        "agent:turns=2",
+        "--dp-size",
+        "2",
+        "--plot",
+        path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(std::fs::read_to_string(&path).unwrap().contains("<svg"));
+}
+
+#[test]
 fn an_unwritable_plot_path_fails_with_a_message() {
     let out = simulate(&[
         "--workload",
@@ -190,12 +207,13 @@ fn an_unwritable_plot_path_fails_with_a_message() {
         "--dp-size",
         "2",
         "--plot",
-        "/nonexistent-dir/figure.svg",
+        // A folder that cannot be made (its parent is a file), even by root.
+        concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml/figure.svg"),
     ]);
     assert_eq!(out.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("cannot write the chart to /nonexistent-dir/figure.svg"),
+        stderr.contains("cannot make the folder") && stderr.contains("Cargo.toml"),
         "{stderr}"
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
