@@ -692,3 +692,73 @@ async fn cors_is_opt_in() {
         "https://app.example.com"
     );
 }
+
+/// `[server] access_log = true`: one line per answered request, with what the gateway did and what the engine
+/// reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_says_what_happened() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let config = dir.join("e2e-access-log.toml");
+    std::fs::write(&config, "[server]\naccess_log = true\n").unwrap();
+    let log = dir.join("e2e-access-log.txt");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_dprouter"));
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--worker", &engine.url, "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "dprouter::access=info")
+        .stderr(std::fs::File::create(&log).unwrap());
+    let gw = Proc::spawn(command);
+    let c = client();
+    let chat = json!({"model": "the-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let response = send(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url),
+        &[("x-request-id", "log-me-1")],
+        chat.to_string(),
+    )
+    .await;
+    assert_eq!(response.status(), StatusCode::OK);
+    let endpoint = response.headers()["x-dprouter-endpoint"].to_str().unwrap().to_string();
+    read(response).await;
+    let line = eventually(Duration::from_secs(5), || async {
+        std::fs::read_to_string(&log).unwrap().contains("request_id=log-me-1")
+    })
+    .await;
+    assert!(line, "no access log line");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text.lines().find(|l| l.contains("request_id=log-me-1")).unwrap();
+    for field in [
+        "dprouter::access".to_string(),
+        "method=POST".into(),
+        "path=/v1/chat/completions".into(),
+        "status=200".into(),
+        "model=\"the-model\"".into(),
+        format!("endpoint=\"{endpoint}\""),
+        "branch=".into(),
+        "ttft_ms=".into(),
+        "prompt_tokens=".into(),
+        "cached_tokens=0".into(),
+        "duration_ms=".into(),
+    ] {
+        assert!(line.contains(&field), "{field} missing: {line}");
+    }
+    // The gateway's own answers are logged too, without the engine's fields.
+    let bad = send(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url),
+        &[("x-request-id", "log-me-2")],
+        "{",
+    )
+    .await;
+    assert_eq!(bad.status(), StatusCode::BAD_REQUEST);
+    read(bad).await;
+    assert!(
+        eventually(Duration::from_secs(5), || async {
+            let text = std::fs::read_to_string(&log).unwrap();
+            text.lines()
+                .any(|l| l.contains("request_id=log-me-2") && l.contains("status=400") && !l.contains("endpoint="))
+        })
+        .await
+    );
+}

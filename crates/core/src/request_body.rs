@@ -31,6 +31,8 @@ pub struct RequestBody {
     pub route: RouteRequest,
     /// Where its members are, to forward it.
     pub layout: Layout,
+    /// The `model` member, when it is a string (for logs; routing does not read it).
+    pub model: Option<String>,
 }
 
 /// Where a body's top-level members are in its bytes, and which ones the worker never sees.
@@ -156,8 +158,15 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         spans.push(key_start..end);
         from = end;
     }
+    // As the engine reads it (the last one, if repeated); anything but a string is left to the engine to refuse.
+    let model = members
+        .iter()
+        .rev()
+        .find(|m| m.key == "model")
+        .and_then(|m| serde_json::from_str::<String>(m.value.get()).ok());
     Ok(RequestBody {
         route,
+        model,
         layout: Layout {
             overrides: members
                 .iter()

@@ -28,8 +28,9 @@ use dprouter_core::{EndpointId, Framing, Policy, Ticket, Usage, UsageScanner};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::Sleep;
 
+use crate::access::Exchange;
 use crate::registry::{Failure, Registry};
-use crate::telemetry::{self, Outcome};
+use crate::telemetry;
 
 /// The ticket of a request the gateway routed.
 pub type GatewayTicket = Ticket<Arc<dyn Policy>>;
@@ -69,8 +70,8 @@ pub struct GuardedBody<B = Incoming> {
     yields: u32,
     /// A trailers frame that came after bytes still to hand on.
     held: Option<Frame<Bytes>>,
-    /// Told when the upstream breaks or stalls after the head went out.
-    outcome: Outcome,
+    /// Told the first byte, the usage report, and a break or stall after the head went out.
+    exchange: Exchange,
 }
 
 impl<B> GuardedBody<B> {
@@ -80,7 +81,7 @@ impl<B> GuardedBody<B> {
         registry: Arc<Registry>,
         sse: bool,
         timing: Timing,
-        outcome: Outcome,
+        exchange: Exchange,
     ) -> Self {
         let endpoint = ticket.endpoint;
         Self {
@@ -101,12 +102,13 @@ impl<B> GuardedBody<B> {
             batch: Batch::Empty,
             yields: 0,
             held: None,
-            outcome,
+            exchange,
         }
     }
 
     /// The engine's usage report was read: to the metrics and to the policy.
     fn report(&mut self, usage: Usage) {
+        self.exchange.usage(usage.prompt_tokens, usage.cached_tokens);
         metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
         metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
         if let Some(ticket) = self.ticket.as_mut() {
@@ -136,7 +138,7 @@ impl<B> GuardedBody<B> {
         self.done = true;
         self.ticket = None;
         let code = if kind == "timeout" { 504 } else { 502 };
-        self.outcome.set(code);
+        self.exchange.failed(code);
         if !self.sse {
             return Poll::Ready(Some(Err(err)));
         }
@@ -159,6 +161,7 @@ impl<B> GuardedBody<B> {
     fn on_data(&mut self, data: &Bytes) {
         if !self.first_byte && !data.is_empty() {
             self.first_byte = true;
+            self.exchange.first_byte(self.received.elapsed());
             // The engine finished prefill: the request's queued-prefill share is released.
             if let Some(ticket) = self.ticket.as_mut() {
                 ticket.first_token(crate::clock::now_us());
@@ -394,7 +397,7 @@ mod tests {
             registry,
             true,
             timing,
-            Outcome::default(),
+            Exchange::new(),
         )
     }
 

@@ -158,6 +158,9 @@ pub struct ServerConfig {
     /// Browser origins allowed to call the gateway (CORS): `["*"]` for any, or exact origins such as
     /// `"https://app.example.com"`. Empty (the default): no CORS headers, and a preflight `OPTIONS` is a 405.
     pub cors_allow_origins: Vec<String>,
+    /// One structured log line per answered request (target `dprouter::access`; fields: `docs/operations.md`,
+    /// "Logs").
+    pub access_log: bool,
 }
 
 impl Default for ServerConfig {
@@ -170,6 +173,7 @@ impl Default for ServerConfig {
             max_connections: 4096,
             max_in_flight: 2048,
             cors_allow_origins: Vec::new(),
+            access_log: false,
         }
     }
 }

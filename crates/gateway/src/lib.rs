@@ -4,6 +4,7 @@
 //!
 //! Start in-process: `let state = AppState::new(config).await?; serve(listener, state, shutdown).await`.
 
+pub mod access;
 pub mod body;
 pub mod clock;
 pub mod config;

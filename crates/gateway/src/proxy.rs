@@ -186,7 +186,11 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     let bytes = read_body(state, &parts.headers, body).await?;
     let Parsed {
         bytes,
-        body: RequestBody { mut route, layout },
+        body: RequestBody {
+            mut route,
+            layout,
+            model,
+        },
     } = parse(state, &parts.headers, bytes).await?;
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
@@ -230,7 +234,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     target.state.record_success();
                 }
-                return Ok(relay(state, response, ticket, target, timing));
+                return Ok(relay(state, response, ticket, target, timing, model));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -296,6 +300,7 @@ fn relay(
     ticket: GatewayTicket,
     target: &Target,
     timing: Timing,
+    model: Option<String>,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
     let sse = parts
@@ -303,17 +308,18 @@ fn relay(
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let outcome = crate::telemetry::Outcome::default();
+    let exchange = crate::access::Exchange::new();
+    exchange.routed(target.label(), ticket.pick.branch.as_str(), model);
     let body = GuardedBody::new(
         incoming,
         ticket,
         Arc::clone(&state.registry),
         sse,
         timing,
-        outcome.clone(),
+        exchange.clone(),
     );
     let mut out = Response::new(Body::new(body));
-    out.extensions_mut().insert(outcome);
+    out.extensions_mut().insert(exchange);
     *out.status_mut() = parts.status;
     let named_by_connection: Vec<String> = parts
         .headers

@@ -21,7 +21,7 @@ use crate::config::{Backend, WorkerConfig};
 use crate::error::ApiError;
 use crate::listener::{self, InFlightLimit};
 use crate::state::AppState;
-use crate::{health, proxy, telemetry};
+use crate::{access, health, proxy, telemetry};
 
 /// Every route of the gateway.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -52,7 +52,7 @@ pub fn router(state: Arc<AppState>) -> Router {
             ApiError::MethodNotAllowed(request.method().to_string())
         })
         .layer(middleware::from_fn(check_request_head))
-        .layer(middleware::from_fn(count_requests))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), count_requests))
         .layer(middleware::from_fn(request_id));
     let router = match cors(&state.config.server.cors_allow_origins) {
         Some(cors) => router.layer(cors),
@@ -170,14 +170,14 @@ async fn check_request_head(request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-async fn count_requests(request: Request, next: Next) -> Response {
+async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let started = Instant::now();
+    let arrived = access::Request::of(&request, route, Instant::now());
     let response = next.run(request).await;
-    telemetry::Counted::wrap(response, route, started)
+    access::Counted::wrap(response, arrived, state.config.server.access_log)
 }
 
 /// Middleware of the admin routes: [`admin_access`] with the connection's peer address.
