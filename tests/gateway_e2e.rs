@@ -762,3 +762,37 @@ async fn the_access_log_says_what_happened() {
         .await
     );
 }
+
+/// A session header (configured) or OpenAI's `prompt_cache_key` keeps a session on one endpoint, turn after turn,
+/// while different sessions start on different endpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_hints_keep_sessions_together() {
+    let engine = Proc::engine(&["--dp-size", "4"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-session.toml");
+    std::fs::write(&config, "session_header = \"x-session-id\"\n").unwrap();
+    let gw = Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let mut homes = std::collections::BTreeSet::new();
+    for session in 0..8 {
+        let mut endpoints = std::collections::BTreeSet::new();
+        for turn in 0..20 {
+            let id = format!("session-{session}");
+            // Half the sessions name themselves in a header, half in the body; every turn's prompt is new.
+            let mut chat = json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": format!("{session}/{turn}")}]});
+            let headers: Vec<(&str, &str)> = if session % 2 == 0 {
+                vec![("x-session-id", id.as_str())]
+            } else {
+                chat["prompt_cache_key"] = json!(id);
+                vec![]
+            };
+            let response = send(&c, &url, &headers, chat.to_string()).await;
+            assert_eq!(response.status(), StatusCode::OK);
+            endpoints.insert(response.headers()["x-dprouter-endpoint"].to_str().unwrap().to_string());
+            read(response).await;
+        }
+        assert_eq!(endpoints.len(), 1, "session {session} moved: {endpoints:?}");
+        homes.extend(endpoints);
+    }
+    assert!(homes.len() >= 2, "every session on {homes:?}");
+}

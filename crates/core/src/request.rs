@@ -30,6 +30,11 @@ impl Prompt {
     }
 }
 
+/// The hash of a session hint, as [`RouteRequest::session`] holds it.
+pub fn session_hash(key: &str) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), 0x5e55_10e5)
+}
+
 /// The bytes-per-token ratio used to estimate a text prompt's token count.
 pub const BYTES_PER_TOKEN: u64 = 4;
 
@@ -46,6 +51,10 @@ pub struct RouteRequest {
     /// When the request is routed, microseconds on the caller's monotonic clock (the one it also passes to
     /// [`crate::load::LoadGuard::first_token`]); 0 when the caller keeps no clock.
     pub now_us: u64,
+    /// The client's session hint (OpenAI's `prompt_cache_key`, or the gateway's session header), hashed: requests
+    /// with the same one prefer the same endpoint under the cache-aware policies (`prefix_affinity` keys on it,
+    /// `cache_aware` places its cold requests by it). SGLang's methods ignore it.
+    pub session: Option<u64>,
 }
 
 impl RouteRequest {
@@ -57,6 +66,7 @@ impl RouteRequest {
             rank_override: None,
             bootstrap_room: None,
             now_us: 0,
+            session: None,
         }
     }
 
@@ -75,6 +85,12 @@ impl RouteRequest {
 
     pub fn with_bootstrap_room(mut self, room: u64) -> Self {
         self.bootstrap_room = Some(room);
+        self
+    }
+
+    /// The request with the session hint `key` (hashed).
+    pub fn with_session(mut self, key: &str) -> Self {
+        self.session = Some(session_hash(key));
         self
     }
 

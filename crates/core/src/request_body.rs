@@ -141,6 +141,10 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
             }
         }
     }
+    // OpenAI's `prompt_cache_key`: a hint, so anything but a string is ignored (the engine judges it).
+    route.session = field("prompt_cache_key")?
+        .and_then(|k| serde_json::from_str::<String>(k.get()).ok())
+        .map(|k| crate::request::session_hash(&k));
     if let Some(room) = field("bootstrap_room")? {
         route.bootstrap_room = Some(room.get().parse::<u64>().map_err(|_| PromptError::Field {
             field: "bootstrap_room",
@@ -291,6 +295,19 @@ mod tests {
         assert_eq!(parsed.route.prompt, Prompt::Bytes(b"x".to_vec()));
         assert_eq!(parsed.route.rank_override, Some(4));
         assert_eq!(forwarded(body, None), r#"{"k\"ey": 1,"t\u0065xt": "x"}"#);
+    }
+
+    #[test]
+    fn a_prompt_cache_key_is_the_session_hint_and_the_model_is_read() {
+        let body = parse_body(br#"{"prompt": "x", "prompt_cache_key": "user-7", "model": "m"}"#, true).unwrap();
+        assert_eq!(body.route.session, Some(crate::request::session_hash("user-7")));
+        assert_eq!(body.model.as_deref(), Some("m"));
+        let odd = parse_body(br#"{"prompt": "x", "prompt_cache_key": 7, "model": 1}"#, true).unwrap();
+        assert_eq!(
+            (odd.route.session, odd.model),
+            (None, None),
+            "hints that are not strings are ignored"
+        );
     }
 
     #[test]

@@ -224,6 +224,10 @@ pub struct GatewayConfig {
     /// Honour a client's `routed_dp_rank` / `data_parallel_rank` / `X-Data-Parallel-Rank`. Turn off for
     /// multi-tenant deployments: the fields are then ignored and stripped.
     pub allow_client_overrides: bool,
+    /// A request header that names the client's session (e.g. `x-session-id`): requests with the same value prefer
+    /// the same endpoint under `prefix_affinity` and `cache_aware`, as OpenAI's `prompt_cache_key` body field does
+    /// (which wins when both are given). Unset: no header is read.
+    pub session_header: Option<String>,
     /// Connection failures retried on the policy's next choice, before any byte reaches the client.
     pub retries: u32,
     /// Upstream connect timeout, milliseconds.
@@ -251,6 +255,7 @@ impl Default for GatewayConfig {
             max_body_bytes: 64 << 20,
             admin_key: None,
             allow_client_overrides: true,
+            session_header: None,
             retries: 2,
             connect_timeout_ms: 2000,
             first_byte_timeout_ms: 300_000,
@@ -306,6 +311,13 @@ impl GatewayConfig {
         self.routing
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("routing: {e}")))?;
+        if let Some(name) = &self.session_header {
+            if hyper::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(ConfigError::Invalid(format!(
+                    "session_header {name:?} is not a header name"
+                )));
+            }
+        }
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Invalid("max_body_bytes must be at least 1".into()));
         }

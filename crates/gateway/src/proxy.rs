@@ -114,6 +114,16 @@ async fn parse(state: &AppState, headers: &HeaderMap, bytes: Bytes) -> Result<Pa
         let body = parse_body(&bytes, allow_overrides)?;
         (bytes, body)
     };
+    if body.route.session.is_none() {
+        let named = state
+            .config
+            .session_header
+            .as_deref()
+            .and_then(|name| headers.get(name));
+        body.route.session = named
+            .and_then(|v| v.to_str().ok())
+            .map(dprouter_core::request::session_hash);
+    }
     if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
         let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());
         body.route.rank_override =

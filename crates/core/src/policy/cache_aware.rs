@@ -25,7 +25,8 @@
 //!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Ties go
 //!    to the longer match, then the fewer requests in flight, then the fewer blocks of other prompts the endpoint
 //!    would have to forget to make room (its capacity, less what the index holds there), then the higher
-//!    rendezvous score of the prompt's first block. So a prompt that no endpoint holds (branch `cold`) goes to the
+//!    rendezvous score of the prompt's first block (or of the client's session hint,
+//!    [`RouteRequest::session`]). So a prompt that no endpoint holds (branch `cold`) goes to the
 //!    least loaded endpoints with room for it, by rendezvous among them: two sessions on engines that each hold
 //!    one prompt (a llama.cpp slot, with the worker's `kv_capacity_tokens` set to about one prompt) split instead
 //!    of evicting each other, and replicas agree on cold placements of an idle fleet with room.
@@ -274,10 +275,14 @@ impl Policy for CacheAware {
         }
         let snap = c.snap();
         let hashes = &prepared.block_hashes;
-        let key = hashes
-            .first()
-            .copied()
-            .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX));
+        // Cold placements by the session hint when there is one: a session's requests stay together even before
+        // the index holds any of them (prompts shorter than a block), and sessions spread over the endpoints.
+        let key = req.session.unwrap_or_else(|| {
+            hashes
+                .first()
+                .copied()
+                .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX))
+        });
         // One lock for the look-up, the choice and the record of where the prompt went.
         let mut state = self.lock();
         self.sync(&mut state, snap);

@@ -312,6 +312,44 @@ mod tests {
     use crate::config::PolicyConfig;
 
     #[test]
+    fn a_session_hint_keeps_a_session_together_and_sessions_apart() {
+        for name in ["prefix_affinity", "cache_aware"] {
+            let policy = PolicyConfig::from_name(name).unwrap().build();
+            let snap = Snapshot::single_worker(4);
+            let mut homes = std::collections::BTreeSet::new();
+            for session in 0..16 {
+                let mut ranks = std::collections::BTreeSet::new();
+                for turn in 0..20u32 {
+                    // Prompts that share nothing, not even a block: only the hint ties them.
+                    let req = RouteRequest::tokens(vec![session * 1000 + turn; 3]).with_session(&format!("s{session}"));
+                    ranks.insert(dispatch(policy.as_ref(), &snap, req).unwrap().pick.rank);
+                }
+                assert_eq!(ranks.len(), 1, "{name}: session {session} moved: {ranks:?}");
+                homes.extend(ranks);
+            }
+            assert!(homes.len() >= 3, "{name}: 16 sessions on {homes:?}");
+        }
+    }
+
+    #[test]
+    fn sglang_methods_ignore_session_hints() {
+        let snap = Snapshot::single_worker(4);
+        for name in ["round_robin", "prefix_match", "total_requests"] {
+            let a = PolicyConfig::from_name(name).unwrap().build();
+            let b = PolicyConfig::from_name(name).unwrap().build();
+            for i in 0..8u32 {
+                let plain = RouteRequest::tokens(vec![i; 300]);
+                let hinted = plain.clone().with_session("same");
+                assert_eq!(
+                    route(a.as_ref(), &snap, &plain).unwrap(),
+                    route(b.as_ref(), &snap, &hinted).unwrap(),
+                    "{name}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn branch_indices_follow_all() {
         for (i, b) in Branch::ALL.iter().enumerate() {
             assert_eq!(b.index(), i, "{}", b.as_str());

@@ -10,6 +10,7 @@
 //!    it reaches `W`, once per turn, instead of every 256 tokens up to 4,096 as `prefix_match` does). Conversations
 //!    whose common prefix (system prompt) is longer than `W` share a key, so they share a home endpoint and its
 //!    cached prefix, and the load bound spreads them when they are many.
+//!    A client's session hint ([`RouteRequest::session`]) is the key instead, when given.
 //! 2. Order all healthy endpoints by rendezvous (highest-random-weight) score of (key, endpoint id), see
 //!    [`crate::hashing`]. Scores depend on stable endpoint ids, not snapshot positions, so an endpoint going down or
 //!    leaving moves only the keys it held, and one joining takes about `1/(n+1)` of them.
@@ -133,7 +134,8 @@ impl Policy for PrefixAffinity {
         if req.prompt.is_empty() {
             return self.empty.next(c, Branch::Empty);
         }
-        let key = self.key(&req.prompt);
+        // A session hint keys the whole session, whatever its prompts.
+        let key = req.session.unwrap_or_else(|| self.key(&req.prompt));
         let measure = self.config.load;
         let score = |r: usize| rendezvous_score(key, snap.endpoints()[r].id);
         // (score, load) of every healthy endpoint, in rank order.
