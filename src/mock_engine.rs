@@ -33,7 +33,8 @@ pub struct MockEngineArgs {
     /// Rank targeting rules: sglang (body routed_dp_rank, header on /v1/*) or vllm (header only).
     #[arg(long, value_enum, default_value = "sglang")]
     api: ApiArg,
-    /// Model name reported by /v1/models and responses.
+    /// Model name reported by /v1/models and responses; several, comma-separated, for an engine serving several
+    /// (all listed by /v1/models).
     #[arg(long, default_value = "dprouter/mock")]
     model: String,
     /// Seed of the generated answers and fault draws.

@@ -796,3 +796,75 @@ async fn session_hints_keep_sessions_together() {
     }
     assert!(homes.len() >= 2, "every session on {homes:?}");
 }
+
+/// Several models: each request goes only to the workers serving its model (learned from their `/v1/models`), an
+/// alias from the config reaches its model, an unknown model is a 404, `/v1/models` lists the union, and the
+/// policy's state is kept per model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_go_to_the_workers_serving_their_model() {
+    let alpha = Proc::engine(&["--dp-size", "1", "--model", "alpha"]);
+    let beta = Proc::engine(&["--dp-size", "1", "--model", "beta"]);
+    let both = Proc::engine(&["--dp-size", "1", "--model", "alpha,beta"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-models.toml");
+    std::fs::write(&config, "[model_aliases]\n\"gpt-x\" = \"alpha\"\n").unwrap();
+    let gw = Proc::gateway(
+        &[&alpha, &beta, &both],
+        &["--policy", "round_robin", "--config", config.to_str().unwrap()],
+    );
+    let c = client();
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let chat = |model: &str, text: &str| json!({"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": text}]});
+    let mut served = std::collections::BTreeMap::<&str, std::collections::BTreeSet<String>>::new();
+    for i in 0..8 {
+        for model in ["alpha", "beta", "gpt-x"] {
+            let response = send(&c, &url, &[], chat(model, &format!("q{i}")).to_string()).await;
+            assert_eq!(response.status(), StatusCode::OK, "{model}");
+            let endpoint = response.headers()["x-dprouter-endpoint"].to_str().unwrap().to_string();
+            served.entry(model).or_default().insert(endpoint);
+            read(response).await;
+        }
+    }
+    // Workers in order: alpha (w0), beta (w1), both (w2); round_robin alternates among those serving the model.
+    let set = |s: &[&str]| {
+        s.iter()
+            .map(|e| e.to_string())
+            .collect::<std::collections::BTreeSet<_>>()
+    };
+    // (The alias shares alpha's policy, so the two alternate together.)
+    let alpha_or_alias: std::collections::BTreeSet<String> = served["alpha"].union(&served["gpt-x"]).cloned().collect();
+    assert_eq!(
+        alpha_or_alias,
+        set(&["w0r0", "w2r0"]),
+        "the alias reaches alpha's workers"
+    );
+    assert_eq!(served["beta"], set(&["w1r0", "w2r0"]));
+    let unknown = post(&c, &url, &[], &chat("gamma", "q")).await;
+    assert_eq!(unknown.status, StatusCode::NOT_FOUND, "{}", unknown.text);
+    assert!(
+        unknown.json["error"]["message"].as_str().unwrap().contains("gamma"),
+        "{}",
+        unknown.text
+    );
+    let models = get(&c, &format!("{}/v1/models", gw.url)).await.json;
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["alpha", "beta", "gpt-x"]);
+
+    // Per-model state: the same prompt on two models is cold on both under cache_aware.
+    let ca = Proc::gateway(&[&both], &["--policy", "cache_aware"]);
+    let long = "a shared system prompt, long enough to be indexed. ".repeat(40);
+    for model in ["alpha", "beta"] {
+        let reply = post(&c, &format!("{}/v1/chat/completions", ca.url), &[], &chat(model, &long)).await;
+        assert_eq!(reply.status, StatusCode::OK);
+    }
+    let workers = get(&c, &format!("{}/workers", ca.url)).await.json;
+    assert_eq!(
+        workers["decisions"],
+        json!({"cold": 2}),
+        "a prefix on one model says nothing of another"
+    );
+}

@@ -24,8 +24,8 @@ pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};
 pub use policy::{
-    dispatch, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick, Policy,
-    PolicyRef, PrefixAffinityConfig, Prepared, Ticket,
+    dispatch, dispatch_among, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick,
+    Policy, PolicyRef, PrefixAffinityConfig, Prepared, Ticket,
 };
 pub use prefix_key::PrefixWindow;
 pub use request::{Prompt, RouteRequest};

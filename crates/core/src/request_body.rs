@@ -42,6 +42,8 @@ pub struct Layout {
     members: Vec<Range<usize>>,
     /// Which members are rank overrides (the worker never sees the client's).
     overrides: Vec<bool>,
+    /// Which members are `model` (replaced when the gateway maps an alias).
+    models: Vec<bool>,
 }
 
 /// One top-level member: its key (unescaped) and its raw value.
@@ -176,6 +178,7 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
                 .iter()
                 .map(|m| OVERRIDE_FIELDS.contains(&m.key.as_ref()))
                 .collect(),
+            models: members.iter().map(|m| m.key == "model").collect(),
             members: spans,
         },
     })
@@ -217,27 +220,32 @@ fn token_ids(raw: &RawValue, field: &'static str) -> Result<Prompt, PromptError>
 
 impl Layout {
     /// The body for a worker, as slices of `original` (the bytes this was parsed from): every member but the
-    /// client's rank overrides, and `rank_member` (e.g. `"routed_dp_rank":3`) first when given. Nothing is copied.
+    /// client's rank overrides (and its `model` when `drop_model`), after the members `first` (e.g.
+    /// `"routed_dp_rank":3`, or a `model` the gateway maps). Nothing is copied.
     pub fn forwarded<B: Clone>(
         &self,
         original: &B,
-        rank_member: Option<B>,
+        first: impl IntoIterator<Item = B>,
+        drop_model: bool,
         slice: impl Fn(&B, Range<usize>) -> B,
     ) -> Vec<Piece<B>> {
         let mut out = vec![Piece::Text("{")];
-        let mut first = true;
-        if let Some(member) = rank_member {
-            out.push(Piece::Bytes(member));
-            first = false;
-        }
-        for (span, is_override) in self.members.iter().zip(&self.overrides) {
-            if *is_override {
-                continue;
-            }
-            if !first {
+        let mut empty = true;
+        for member in first {
+            if !empty {
                 out.push(Piece::Text(","));
             }
-            first = false;
+            out.push(Piece::Bytes(member));
+            empty = false;
+        }
+        for ((span, is_override), is_model) in self.members.iter().zip(&self.overrides).zip(&self.models) {
+            if *is_override || (drop_model && *is_model) {
+                continue;
+            }
+            if !empty {
+                out.push(Piece::Text(","));
+            }
+            empty = false;
             out.push(Piece::Bytes(slice(original, span.clone())));
         }
         out.push(Piece::Text("}"));
@@ -262,7 +270,9 @@ mod tests {
         let parsed = parse_body(body.as_bytes(), true).unwrap();
         parsed
             .layout
-            .forwarded(&body.to_string(), rank.map(str::to_owned), |s, r| s[r].to_string())
+            .forwarded(&body.to_string(), rank.map(str::to_owned), false, |s, r| {
+                s[r].to_string()
+            })
             .into_iter()
             .map(|p| match p {
                 Piece::Text(t) => t.to_string(),
@@ -295,6 +305,24 @@ mod tests {
         assert_eq!(parsed.route.prompt, Prompt::Bytes(b"x".to_vec()));
         assert_eq!(parsed.route.rank_override, Some(4));
         assert_eq!(forwarded(body, None), r#"{"k\"ey": 1,"t\u0065xt": "x"}"#);
+    }
+
+    #[test]
+    fn the_model_member_can_be_replaced() {
+        let body = r#"{"model": "alias", "prompt": "x"}"#.to_string();
+        let parsed = parse_body(body.as_bytes(), true).unwrap();
+        let out: String = parsed
+            .layout
+            .forwarded(&body, [r#""model":"served""#.to_string()], true, |s, r| {
+                s[r].to_string()
+            })
+            .into_iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.to_string(),
+                Piece::Bytes(b) => b,
+            })
+            .collect();
+        assert_eq!(out, r#"{"model":"served","prompt": "x"}"#);
     }
 
     #[test]

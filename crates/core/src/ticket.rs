@@ -74,6 +74,18 @@ pub fn dispatch<P: PolicyRef>(policy: P, snap: &Snapshot, req: RouteRequest) -> 
     issue(policy, &Candidates::all(snap), req, prepared)
 }
 
+/// [`dispatch`] among the healthy endpoints of `snap` that `accept` lets through (those serving the request's
+/// model, say). A client's rank override is checked against the snapshot alone.
+pub fn dispatch_among<P: PolicyRef>(
+    policy: P,
+    snap: &Snapshot,
+    accept: &dyn Fn(usize) -> bool,
+    req: RouteRequest,
+) -> Result<Ticket<P>, RouteError> {
+    let prepared = policy.policy().prepare(&req);
+    issue(policy, &Candidates::accepting(snap, accept), req, prepared)
+}
+
 fn issue<P: PolicyRef>(
     policy: P,
     candidates: &Candidates<'_>,

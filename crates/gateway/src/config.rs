@@ -87,6 +87,10 @@ pub struct WorkerConfig {
     /// llama.cpp server keeps one prompt per slot: slots times the prompt length its clients send.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_capacity_tokens: Option<u64>,
+    /// The models the worker serves (the `model` of a request it may take). Empty: asked from its
+    /// `GET /v1/models` when it is added; a worker whose models stay unknown takes any model.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
 }
 
 /// Active and passive health checking.
@@ -228,6 +232,9 @@ pub struct GatewayConfig {
     /// the same endpoint under `prefix_affinity` and `cache_aware`, as OpenAI's `prompt_cache_key` body field does
     /// (which wins when both are given). Unset: no header is read.
     pub session_header: Option<String>,
+    /// Model names clients may use for another, served one (`"gpt-4o" = "smollm2"`): the request is routed to the
+    /// workers serving the served name, which the worker gets in the body.
+    pub model_aliases: std::collections::BTreeMap<String, String>,
     /// Connection failures retried on the policy's next choice, before any byte reaches the client.
     pub retries: u32,
     /// Upstream connect timeout, milliseconds.
@@ -256,6 +263,7 @@ impl Default for GatewayConfig {
             admin_key: None,
             allow_client_overrides: true,
             session_header: None,
+            model_aliases: Default::default(),
             retries: 2,
             connect_timeout_ms: 2000,
             first_byte_timeout_ms: 300_000,
@@ -553,6 +561,7 @@ mod tests {
             dp_size: Some(MAX_DP_SIZE),
             rank_field: RankField::default(),
             kv_capacity_tokens: None,
+            models: Vec::new(),
         }))
         .is_ok());
         // A config built in code (the command line's flags) gets the same checks.

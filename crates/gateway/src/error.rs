@@ -26,6 +26,8 @@ pub enum ApiError {
     HeadersTooLarge(String),
     #[error("{0}")]
     NotFound(String),
+    #[error("the model `{0}` does not exist here: GET /v1/models lists the models served")]
+    ModelNotFound(String),
     #[error("missing or wrong admin key")]
     Unauthorized,
     #[error("{0}")]
@@ -58,7 +60,7 @@ impl ApiError {
             ApiError::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::NotFound(_) | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
@@ -115,6 +117,7 @@ mod tests {
                 "invalid_request_error",
             ),
             (ApiError::NotFound("x".into()), 404, "not_found_error"),
+            (ApiError::ModelNotFound("x".into()), 404, "not_found_error"),
             (ApiError::Unauthorized, 401, "authentication_error"),
             (ApiError::Forbidden("x".into()), 403, "permission_error"),
             (ApiError::Conflict("x".into()), 409, "conflict_error"),

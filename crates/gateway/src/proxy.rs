@@ -14,13 +14,13 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
-use dprouter_core::{dispatch, Branch, WorkerId};
+use dprouter_core::{dispatch_among, Branch, WorkerId};
 use http_body_util::BodyExt;
 
 use crate::body::{GatewayTicket, GuardedBody, Timing};
 use crate::config::Backend;
 use crate::error::ApiError;
-use crate::registry::{Failure, Target};
+use crate::registry::{Failure, Membership, Target};
 use crate::state::AppState;
 use crate::telemetry;
 use crate::upstream::Chunks;
@@ -140,6 +140,7 @@ fn upstream_request(
     headers: &HeaderMap,
     bytes: &Bytes,
     layout: &Layout,
+    model_member: Option<Bytes>,
 ) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
@@ -163,7 +164,12 @@ fn upstream_request(
         Backend::Openai => None,
     };
     let pieces = layout
-        .forwarded(bytes, rank_member, |b, range| b.slice(range))
+        .forwarded(
+            bytes,
+            rank_member.into_iter().chain(model_member.clone()),
+            model_member.is_some(),
+            |b: &Bytes, range| b.slice(range),
+        )
         .into_iter()
         .map(|p| match p {
             Piece::Text(t) => Bytes::from_static(t.as_bytes()),
@@ -182,6 +188,23 @@ fn upstream_path(uri: &axum::http::Uri) -> String {
         "/chat/completions" | "/completions" => format!("/v1{path_and_query}"),
         _ => path_and_query.to_string(),
     }
+}
+
+/// The model a request is for, as the workers know it (after the config's aliases); `None` for a request that
+/// names none, or when the fleet serves one model or unknown ones (any name goes then, as SGLang and llama.cpp
+/// take any). In a fleet of several known models, a 404 for a model no worker serves (workers whose models are
+/// unknown take any).
+fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) -> Result<Option<String>, ApiError> {
+    let Some(asked) = asked else { return Ok(None) };
+    let served = state.config.model_aliases.get(asked).map_or(asked, String::as_str);
+    if membership.models().len() < 2 {
+        // One model (or none known): every worker serves the request whatever it names, with the alias mapped.
+        return Ok((served != asked).then(|| served.to_string()));
+    }
+    if membership.targets.iter().any(|t| t.serves(served)) {
+        return Ok(Some(served.to_string()));
+    }
+    Err(ApiError::ModelNotFound(asked.to_string()))
 }
 
 /// Counts a routing decision (metrics and `GET /workers`).
@@ -204,15 +227,30 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     } = parse(state, &parts.headers, bytes).await?;
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
+    let served = served_model(state, &membership, model.as_deref())?;
+    // The model's name as the worker knows it, when the client used an alias.
+    let model_member = match (&served, &model) {
+        (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
+        _ => None,
+    };
+    let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
     route.now_us = crate::clock::now_us();
-    let mut ticket = dispatch(Arc::clone(&state.policy), &membership.snapshot, route)?;
+    let policy = state.policy_for(served.as_deref().or(membership.sole_model()));
+    let mut ticket = dispatch_among(policy, &membership.snapshot, &serving, route)?;
     count_decision(state, ticket.pick.branch);
     // Workers that refused this request's connection.
     let mut refused: Vec<WorkerId> = Vec::new();
     loop {
         let target = &membership.targets[ticket.pick.rank];
         let label = target.label();
-        let upstream = upstream_request(target, &path_and_query, &parts.headers, &bytes, &layout)?;
+        let upstream = upstream_request(
+            target,
+            &path_and_query,
+            &parts.headers,
+            &bytes,
+            &layout,
+            model_member.clone(),
+        )?;
         let timing = Timing {
             received,
             first_byte: tokio::time::Instant::now() + first_byte_timeout,
@@ -244,7 +282,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     target.state.record_success();
                 }
-                return Ok(relay(state, response, ticket, target, timing, model));
+                return Ok(relay(state, response, ticket, target, timing, served.clone().or(model)));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -273,7 +311,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
                 // policy forgets that the prompt went there.
                 refused.push(target.id.worker);
-                let accept = |rank: usize| !refused.contains(&membership.targets[rank].id.worker);
+                let accept = |rank: usize| serving(rank) && !refused.contains(&membership.targets[rank].id.worker);
                 ticket = ticket.reroute(&membership.snapshot, &accept, crate::clock::now_us())?;
                 count_decision(state, ticket.pick.branch);
             }

@@ -45,6 +45,15 @@ pub struct Target {
     pub rank_field: RankField,
     /// The endpoint's passive-health state, to record a success without the registry's lock.
     pub state: Arc<EndpointState>,
+    /// The models its worker serves; empty when unknown (it takes any).
+    pub models: Arc<[String]>,
+}
+
+impl Target {
+    /// Whether a request for `model` may go here.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.is_empty() || self.models.iter().any(|m| m == model)
+    }
 }
 
 impl Target {
@@ -61,6 +70,26 @@ pub struct Membership {
     pub targets: Vec<Target>,
     /// Too few endpoints were routable: ejections are ignored in this snapshot.
     pub panic: bool,
+}
+
+impl Membership {
+    /// The one model every worker serves, when the workers' models are known and there is one: the model of a
+    /// request that names none (SGLang's `/generate`).
+    pub fn sole_model(&self) -> Option<&str> {
+        let first = self.targets.first()?.models.first()?;
+        self.targets
+            .iter()
+            .all(|t| t.models.len() == 1 && &t.models[0] == first)
+            .then_some(first.as_str())
+    }
+
+    /// Every model some worker serves, sorted, once each.
+    pub fn models(&self) -> Vec<String> {
+        let mut all: Vec<String> = self.targets.iter().flat_map(|t| t.models.iter().cloned()).collect();
+        all.sort();
+        all.dedup();
+        all
+    }
 }
 
 /// One endpoint's outlier-detection state.
@@ -158,6 +187,8 @@ pub struct WorkerState {
     pub rank_field: RankField,
     /// KV cache tokens per rank, when the engine reported it.
     pub kv_capacity: Option<u64>,
+    /// The models it serves; empty when unknown.
+    pub models: Arc<[String]>,
     pub endpoints: Vec<Arc<EndpointState>>,
     active_healthy: AtomicBool,
     /// A request failed to reach it since its last probe: one failed probe confirms it is down.
@@ -240,6 +271,7 @@ impl Registry {
             backend: config.backend,
             rank_field: config.rank_field,
             kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
+            models: info.models.into(),
             endpoints: (0..info.dp_size)
                 .map(|rank| {
                     Arc::new(EndpointState::new(EndpointId {
@@ -438,6 +470,7 @@ impl Registry {
                     backend: w.backend,
                     rank_field: w.rank_field,
                     state: Arc::clone(e),
+                    models: Arc::clone(&w.models),
                 });
             }
         }
@@ -478,6 +511,7 @@ mod tests {
             dp_size: None,
             rank_field: RankField::RoutedDpRank,
             kv_capacity_tokens: None,
+            models: Vec::new(),
         }
     }
 
@@ -485,6 +519,7 @@ mod tests {
         WorkerInfo {
             dp_size,
             kv_capacity: Some(1000),
+            models: Vec::new(),
         }
     }
 

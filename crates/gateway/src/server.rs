@@ -267,11 +267,30 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
 /// How long `GET /v1/models` waits for one worker's answer before it asks the next one.
 const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// `GET /v1/models` (and `/models`): the answer of the first healthy worker that gives one within
-/// [`MODELS_TIMEOUT`], with the client's `Authorization` (an engine started with an API key wants it); a worker
-/// that fails or stalls is passed over for the next. 502 when none answers.
+/// `GET /v1/models` (and `/models`): every model the workers serve (learned when they were added) and the
+/// config's aliases of them; when no worker's models are known, the answer of the first healthy worker that gives
+/// one within [`MODELS_TIMEOUT`], with the client's `Authorization` (an engine started with an API key wants it),
+/// a worker that fails or stalls passed over for the next (502 when none answers).
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Response, ApiError> {
     let membership = state.registry.membership();
+    // Known models: the union over the workers, and the aliases of served ones.
+    let served = membership.models();
+    if !served.is_empty() {
+        let aliases = state
+            .config
+            .model_aliases
+            .iter()
+            .filter(|(_, target)| served.contains(target))
+            .map(|(alias, _)| alias.clone());
+        let mut ids: Vec<String> = served.iter().cloned().chain(aliases).collect();
+        ids.sort();
+        ids.dedup();
+        let data: Vec<Value> = ids
+            .iter()
+            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "dprouter"}))
+            .collect();
+        return Ok(Json(json!({"object": "list", "data": data})).into_response());
+    }
     let mut asked = Vec::new();
     let mut failure = None;
     for &i in membership.snapshot.healthy() {

@@ -14,7 +14,10 @@ use crate::upstream::Upstream;
 pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Arc<Registry>,
+    /// The policy of requests that name no model (or of a fleet whose models are unknown).
     pub policy: Arc<dyn Policy>,
+    /// One policy per model served, built on first use: what a prompt did on one model says nothing of another.
+    policies: Mutex<std::collections::HashMap<String, Arc<dyn Policy>>>,
     pub upstream: Upstream,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
@@ -43,6 +46,7 @@ impl AppState {
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
             policy: Arc::from(config.routing.build()),
+            policies: Mutex::new(std::collections::HashMap::new()),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
@@ -102,7 +106,7 @@ impl AppState {
         let adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
         // Again: another request may have added it while this one asked the worker.
         self.check_not_registered(worker)?;
-        let id = self.registry.add_worker(worker, info);
+        let id = self.registry.add_worker(worker, info.clone());
         drop(adding);
         tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,
                        kv_capacity = ?info.kv_capacity, worker = id.0, "worker added");
@@ -119,6 +123,20 @@ impl AppState {
             }),
             None => Ok(()),
         }
+    }
+
+    /// The policy for requests of `model` (the served name, after aliases): its own, or the default one for no
+    /// model.
+    pub fn policy_for(&self, model: Option<&str>) -> Arc<dyn Policy> {
+        let Some(model) = model else {
+            return Arc::clone(&self.policy);
+        };
+        let mut policies = self.policies.lock().unwrap_or_else(|e| e.into_inner());
+        Arc::clone(
+            policies
+                .entry(model.to_string())
+                .or_insert_with(|| Arc::from(self.config.routing.build())),
+        )
     }
 
     pub fn count_decision(&self, branch: Branch) {

@@ -99,10 +99,36 @@ impl Upstream {
     /// What a worker serves: its DP ranks (configured, or read from SGLang's `/get_server_info`) and, from SGLang,
     /// each rank's KV capacity (`max_total_num_tokens`).
     pub async fn discover(&self, worker: &WorkerConfig, timeout: Duration) -> Result<WorkerInfo, String> {
+        let mut info = self.discover_ranks(worker, timeout).await?;
+        info.models = if worker.models.is_empty() {
+            self.served_models(&worker.url, timeout).await
+        } else {
+            worker.models.clone()
+        };
+        Ok(info)
+    }
+
+    /// The model ids of an OpenAI-style `GET /v1/models` (`data[].id`); none when it does not answer so.
+    async fn served_models(&self, base: &str, timeout: Duration) -> Vec<String> {
+        let url = format!("{}/v1/models", base.trim_end_matches('/'));
+        let listed = self.get_json(&url, timeout).await.unwrap_or_default();
+        listed["data"]
+            .as_array()
+            .map(|models| {
+                models
+                    .iter()
+                    .filter_map(|m| m["id"].as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    async fn discover_ranks(&self, worker: &WorkerConfig, timeout: Duration) -> Result<WorkerInfo, String> {
         match worker.backend {
             Backend::Vllm | Backend::Openai => Ok(WorkerInfo {
                 dp_size: worker.dp_size.unwrap_or(1),
                 kv_capacity: None,
+                models: Vec::new(),
             }),
             Backend::Sglang => {
                 let url = format!("{}/get_server_info", worker.url.trim_end_matches('/'));
@@ -113,6 +139,7 @@ impl Upstream {
                         return Ok(WorkerInfo {
                             dp_size,
                             kv_capacity: None,
+                            models: Vec::new(),
                         })
                     }
                     (Err(e), None) => return Err(format!("{e}; pass --dp-size")),
@@ -136,6 +163,7 @@ impl Upstream {
                 Ok(WorkerInfo {
                     dp_size,
                     kv_capacity: info.get("max_total_num_tokens").and_then(Value::as_u64),
+                    models: Vec::new(),
                 })
             }
         }
@@ -143,11 +171,13 @@ impl Upstream {
 }
 
 /// What discovery learned about a worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerInfo {
     pub dp_size: u32,
     /// KV cache tokens per rank, when the engine says.
     pub kv_capacity: Option<u64>,
+    /// The models it serves (configured, or from its `/v1/models`); empty when unknown.
+    pub models: Vec<String>,
 }
 
 /// An error with its causes, for logs and messages ("client error (Connect): tcp connect error: refused").

@@ -116,11 +116,17 @@ async fn get_load(State(s): State<AppState>) -> Json<Value> {
     Json(Value::Array(ranks))
 }
 
+/// `GET /v1/models`: the configured model, or each of a comma-separated list of them.
 async fn models(State(s): State<AppState>) -> Json<Value> {
     let created = unix_time();
-    Json(
-        json!({"object": "list", "data": [{"id": s.engine.config().model, "object": "model", "created": created, "owned_by": "dprouter-mock"}]}),
-    )
+    let data: Vec<Value> = s
+        .engine
+        .config()
+        .model
+        .split(',')
+        .map(|id| json!({"id": id.trim(), "object": "model", "created": created, "owned_by": "dprouter-mock"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn flush_cache(State(s): State<AppState>) -> &'static str {

@@ -14,7 +14,7 @@ use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::request::RouteRequest;
 
-pub use crate::ticket::{dispatch, PolicyRef, Ticket};
+pub use crate::ticket::{dispatch, dispatch_among, PolicyRef, Ticket};
 
 pub mod cache_aware;
 pub mod follow_bootstrap_room;
