@@ -1,4 +1,5 @@
-"""Drives a dprouter gateway with the official `openai` package: chat, streaming and not.
+"""Drives a dprouter gateway with the official `openai` package: chat, streaming and not, completions, embeddings
+and the model list.
 
 Usage: python3 openai_client.py BASE_URL   (e.g. http://127.0.0.1:8000/v1); exits non-zero on any failure.
 """
@@ -28,6 +29,11 @@ assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0, usag
 
 completion = client.completions.create(model="dprouter/mock", prompt="Once upon a time", max_tokens=3)
 assert len(completion.choices[0].text.split()) == 3, completion
+
+embeddings = client.embeddings.create(model="dprouter/mock", input=["first text", "second text"])
+assert [e.index for e in embeddings.data] == [0, 1], embeddings
+assert len(embeddings.data[0].embedding) == 8 and embeddings.data[0].embedding != embeddings.data[1].embedding
+assert embeddings.usage.prompt_tokens > 0, embeddings.usage
 
 models = client.models.list()
 assert models.data[0].id == "dprouter/mock", models

@@ -7,6 +7,9 @@
 //! 2. `text` (SGLang) or `prompt` (OpenAI completions): the UTF-8 bytes of the string. A completions `prompt` that
 //!    is an array of token ids is used as token ids; a one-element array of strings as that string.
 //! 3. `messages` (OpenAI chat): the bytes of the canonical rendering below.
+//! 4. `input` (OpenAI embeddings and Responses): a string's bytes; token ids; an embeddings batch of strings (joined
+//!    by newlines) or of token-id lists (concatenated); Responses input items, rendered as a chat with
+//!    `instructions` as its system message.
 //!
 //! Batches (several prompts in one request) are rejected: a router places one request on one rank.
 //!
@@ -47,7 +50,7 @@ pub enum PromptError {
     },
     #[error("`{0}` holds several prompts; batched requests are not supported, send one prompt per request")]
     Batch(&'static str),
-    #[error("the request has no prompt: expected one of `input_ids`, `text`, `prompt` or `messages`")]
+    #[error("the request has no prompt: expected one of `input_ids`, `text`, `prompt`, `messages` or `input`")]
     NoPrompt,
     #[error("the request body is not valid JSON: {0}")]
     InvalidJson(String),
@@ -104,7 +107,51 @@ fn extract_prompt(obj: &Map<String, Value>) -> Result<Prompt, PromptError> {
     if let Some(messages) = present(obj, "messages") {
         return render_chat(present(obj, "tools"), messages).map(Prompt::Bytes);
     }
+    if let Some(input) = present(obj, "input") {
+        return input_prompt(input, present(obj, "instructions"));
+    }
     Err(PromptError::NoPrompt)
+}
+
+/// `input` (OpenAI embeddings and Responses): a string; token ids; several strings or token-id lists (an
+/// embeddings batch, keyed on all of them in order, joined by newlines); or Responses input items, rendered as a
+/// chat after `instructions` as the system message.
+pub(crate) fn input_prompt(input: &Value, instructions: Option<&Value>) -> Result<Prompt, PromptError> {
+    let bad = PromptError::Field {
+        field: "input",
+        expected: "a string, token ids, an array of strings or of token-id arrays, or input items",
+    };
+    match input {
+        Value::String(s) => Ok(Prompt::Bytes(s.as_bytes().to_vec())),
+        Value::Array(items) if items.first().is_some_and(Value::is_number) => token_ids(input, "input"),
+        Value::Array(items) if items.iter().all(Value::is_string) => Ok(Prompt::Bytes(
+            items
+                .iter()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>()
+                .join("\n")
+                .into_bytes(),
+        )),
+        Value::Array(items) if items.iter().all(Value::is_array) => {
+            let mut all = Vec::new();
+            for item in items {
+                match token_ids(item, "input")? {
+                    Prompt::Tokens(ids) => all.extend(ids),
+                    Prompt::Bytes(_) => return Err(bad),
+                }
+            }
+            Ok(Prompt::Tokens(all))
+        }
+        Value::Array(items) if items.iter().all(Value::is_object) => {
+            let mut messages = Vec::with_capacity(items.len() + 1);
+            if let Some(system) = instructions {
+                messages.push(serde_json::json!({"role": "system", "content": system}));
+            }
+            messages.extend(items.iter().cloned());
+            render_chat(None, &Value::Array(messages)).map(Prompt::Bytes)
+        }
+        _ => Err(bad),
+    }
 }
 
 fn token_ids(value: &Value, field: &'static str) -> Result<Prompt, PromptError> {

@@ -128,6 +128,9 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
     } else if let Some(messages) = field("messages")? {
         let tools = field("tools")?.map(value).transpose()?;
         Prompt::Bytes(crate::chat::render(tools.as_ref(), messages)?)
+    } else if let Some(input) = field("input")? {
+        let instructions = field("instructions")?.map(value).transpose()?;
+        prompt::input_prompt(&value(input)?, instructions.as_ref())?
     } else {
         return Err(PromptError::NoPrompt);
     };
@@ -449,6 +452,14 @@ mod tests {
             Just(("bootstrap_room", json!(-9))),
             Just(("stream", json!(true))),
             Just(("text", json!(null))),
+            Just(("input", json!("embed me"))),
+            Just(("input", json!(["a", "b"]))),
+            Just(("input", json!([1, 2, 3]))),
+            Just(("input", json!([[1, 2], [3]]))),
+            Just(("input", json!([{"role": "user", "content": "hi"}]))),
+            Just(("input", json!([1, "a"]))),
+            Just(("input", json!(5))),
+            Just(("instructions", json!("be brief"))),
         ];
         let field = prop_oneof![3 => field, 1 => messages().prop_map(|m| ("messages", m))];
         prop::collection::vec(field, 0..6).prop_map(|fields| {

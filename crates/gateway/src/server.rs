@@ -34,6 +34,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(proxy::generate))
         .route("/v1/completions", post(proxy::generate))
         // A client given the base URL without `/v1` (llama.cpp serves both): the same, sent on with `/v1`.
+        .route("/v1/embeddings", post(proxy::generate))
         .route("/chat/completions", post(proxy::generate))
         .route("/completions", post(proxy::generate))
         .route("/generate", post(proxy::generate))

@@ -46,6 +46,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/generate", post(generate))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/embeddings", post(embeddings))
         .route("/health", get(health))
         .route("/health_generate", get(health))
         .route("/get_server_info", get(server_info))
@@ -241,6 +242,75 @@ async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: B
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
     serve_job(s, Kind::Completion, &headers, &body).await
+}
+
+/// The length of the mock's embedding vectors.
+const EMBEDDING_DIM: u64 = 8;
+
+/// `POST /v1/embeddings`: one deterministic vector per input (a string, token ids, or a list of either), as floats
+/// or, with `encoding_format: "base64"` (the OpenAI SDK's default), as base64 of little-endian `f32`s; the usage
+/// counts the inputs' tokens. No rank does any work for it.
+async fn embeddings(State(s): State<AppState>, body: Bytes) -> Response {
+    let Ok(value) = serde_json::from_slice::<Value>(&body) else {
+        return bad("invalid JSON body");
+    };
+    let ids = |v: &Value| -> Option<Vec<u32>> {
+        v.as_array()?
+            .iter()
+            .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+            .collect()
+    };
+    let inputs: Option<Vec<Vec<u32>>> = match value.get("input") {
+        Some(Value::String(text)) => Some(vec![encode(text)]),
+        Some(Value::Array(items)) if items.first().is_some_and(Value::is_number) => {
+            ids(&value["input"]).map(|i| vec![i])
+        }
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|item| match item {
+                Value::String(text) => Some(encode(text)),
+                other => ids(other),
+            })
+            .collect(),
+        _ => None,
+    };
+    let Some(inputs) = inputs.filter(|i| !i.is_empty()) else {
+        return bad("`input` must be a string, token ids, or an array of strings or of token-id arrays");
+    };
+    let base64 = value.get("encoding_format").and_then(Value::as_str) == Some("base64");
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, tokens)| {
+            let seed = tokens
+                .iter()
+                .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
+            let vector: Vec<f32> = (0..EMBEDDING_DIM)
+                .map(|d| (mix(seed ^ d) % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let embedding = if base64 {
+                use base64::Engine as _;
+                let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(vector)
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    let tokens: usize = inputs.iter().map(Vec::len).sum();
+    let model = value
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or(&s.engine.config().model)
+        .to_string();
+    Json(json!({
+        "object": "list",
+        "data": data,
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }))
+    .into_response()
 }
 
 async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
