@@ -235,7 +235,10 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
     route.now_us = crate::clock::now_us();
-    let policy = state.policy_for(served.as_deref().or(membership.sole_model()));
+    // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
+    // whose models are unknown) shares the default policy rather than growing the table.
+    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
+    let policy = state.policy_for(known.or(membership.sole_model()));
     let mut ticket = dispatch_among(policy, &membership.snapshot, &serving, route)?;
     count_decision(state, ticket.pick.branch);
     // Workers that refused this request's connection.

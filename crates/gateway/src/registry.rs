@@ -70,25 +70,39 @@ pub struct Membership {
     pub targets: Vec<Target>,
     /// Too few endpoints were routable: ejections are ignored in this snapshot.
     pub panic: bool,
+    /// Every model some worker serves, sorted, once each (computed once per membership, not per request).
+    models: Vec<String>,
+    /// The one model every worker serves, when their models are known and there is one.
+    sole_model: Option<String>,
 }
 
 impl Membership {
+    fn new(snapshot: Snapshot, targets: Vec<Target>, panic: bool) -> Self {
+        let mut models: Vec<String> = targets.iter().flat_map(|t| t.models.iter().cloned()).collect();
+        models.sort();
+        models.dedup();
+        let sole_model = match models.as_slice() {
+            [one] if targets.iter().all(|t| t.models.len() == 1) => Some(one.clone()),
+            _ => None,
+        };
+        Self {
+            snapshot,
+            targets,
+            panic,
+            models,
+            sole_model,
+        }
+    }
+
     /// The one model every worker serves, when the workers' models are known and there is one: the model of a
     /// request that names none (SGLang's `/generate`).
     pub fn sole_model(&self) -> Option<&str> {
-        let first = self.targets.first()?.models.first()?;
-        self.targets
-            .iter()
-            .all(|t| t.models.len() == 1 && &t.models[0] == first)
-            .then_some(first.as_str())
+        self.sole_model.as_deref()
     }
 
     /// Every model some worker serves, sorted, once each.
-    pub fn models(&self) -> Vec<String> {
-        let mut all: Vec<String> = self.targets.iter().flat_map(|t| t.models.iter().cloned()).collect();
-        all.sort();
-        all.dedup();
-        all
+    pub fn models(&self) -> &[String] {
+        &self.models
     }
 }
 
@@ -492,11 +506,8 @@ impl Registry {
                 tracing::info!("panic mode over: {routable} of {active} endpoints routable");
             }
         }
-        self.membership.store(Arc::new(Membership {
-            snapshot: Snapshot::new(endpoints),
-            targets,
-            panic,
-        }));
+        self.membership
+            .store(Arc::new(Membership::new(Snapshot::new(endpoints), targets, panic)));
     }
 }
 

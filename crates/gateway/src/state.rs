@@ -17,7 +17,9 @@ pub struct AppState {
     /// The policy of requests that name no model (or of a fleet whose models are unknown).
     pub policy: Arc<dyn Policy>,
     /// One policy per model served, built on first use: what a prompt did on one model says nothing of another.
-    policies: Mutex<std::collections::HashMap<String, Arc<dyn Policy>>>,
+    /// Read without a lock; a new model's policy is added under `adding_policy` and swapped in.
+    policies: arc_swap::ArcSwap<std::collections::HashMap<String, Arc<dyn Policy>>>,
+    adding_policy: Mutex<()>,
     pub upstream: Upstream,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
@@ -46,7 +48,8 @@ impl AppState {
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
             policy: Arc::from(config.routing.build()),
-            policies: Mutex::new(std::collections::HashMap::new()),
+            policies: Default::default(),
+            adding_policy: Mutex::new(()),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
@@ -131,12 +134,18 @@ impl AppState {
         let Some(model) = model else {
             return Arc::clone(&self.policy);
         };
-        let mut policies = self.policies.lock().unwrap_or_else(|e| e.into_inner());
-        Arc::clone(
+        if let Some(policy) = self.policies.load().get(model) {
+            return Arc::clone(policy);
+        }
+        let _adding = self.adding_policy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut policies = self.policies.load().as_ref().clone();
+        let policy = Arc::clone(
             policies
                 .entry(model.to_string())
                 .or_insert_with(|| Arc::from(self.config.routing.build())),
-        )
+        );
+        self.policies.store(Arc::new(policies));
+        policy
     }
 
     pub fn count_decision(&self, branch: Branch) {
