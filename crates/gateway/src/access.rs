@@ -83,28 +83,29 @@ impl Exchange {
 
 /// What the metrics and the access log say of a request besides the exchange, taken when it arrives.
 pub struct Request {
-    method: String,
-    path: String,
     route: String,
-    request_id: String,
     started: Instant,
+    /// Method, path and request id, kept only when the access log is on.
+    logged: Option<(String, String, String)>,
 }
 
 impl Request {
-    /// `request`, arrived at `started`, matched to `route` (the metrics label).
-    pub fn of(request: &axum::extract::Request, route: String, started: Instant) -> Self {
-        Self {
-            method: request.method().to_string(),
-            path: request.uri().path().to_string(),
-            route,
-            request_id: request
+    /// `request`, arrived at `started`, matched to `route` (the metrics label); with `access_log`, what its line
+    /// needs.
+    pub fn of(request: &axum::extract::Request, route: String, started: Instant, access_log: bool) -> Self {
+        let logged = access_log.then(|| {
+            let id = request
                 .headers()
                 .get(crate::server::REQUEST_ID)
                 .and_then(|v| v.to_str().ok())
-                .unwrap_or_default()
-                .to_string(),
-            started,
-        }
+                .unwrap_or_default();
+            (
+                request.method().to_string(),
+                request.uri().path().to_string(),
+                id.to_string(),
+            )
+        });
+        Self { route, started, logged }
     }
 }
 
@@ -114,13 +115,12 @@ pub struct Counted {
     request: Request,
     status: u16,
     exchange: Option<Exchange>,
-    access_log: bool,
     recorded: bool,
 }
 
 impl Counted {
     /// `response` to `request`, with its body counted.
-    pub fn wrap(response: Response, request: Request, access_log: bool) -> Response {
+    pub fn wrap(response: Response, request: Request) -> Response {
         let exchange = response.extensions().get::<Exchange>().cloned();
         let status = response.status().as_u16();
         let (parts, inner) = response.into_parts();
@@ -129,7 +129,6 @@ impl Counted {
             request,
             status,
             exchange,
-            access_log,
             recorded: false,
         };
         Response::from_parts(parts, Body::new(body))
@@ -143,20 +142,19 @@ impl Counted {
         let duration = self.request.started.elapsed();
         metrics::counter!(REQUESTS, "route" => self.request.route.clone(), "status" => status.to_string()).increment(1);
         metrics::histogram!(DURATION, "route" => self.request.route.clone()).record(duration.as_secs_f64());
-        if !self.access_log {
+        let Some((method, path, request_id)) = &self.request.logged else {
             return;
-        }
-        let r = &self.request;
+        };
         let known = |v: &AtomicU64| Some(v.load(Relaxed)).filter(|&v| v != UNKNOWN);
         let state = self.exchange.as_ref().map(|e| &*e.0);
         let routed = state.and_then(|s| s.routed.get());
         tracing::info!(
             target: "dprouter::access",
-            method = %r.method,
-            path = %r.path,
+            method = %method,
+            path = %path,
             status,
             duration_ms = duration.as_secs_f64() * 1e3,
-            request_id = %r.request_id,
+            request_id = %request_id,
             model = routed.and_then(|r| r.2.as_deref()),
             endpoint = routed.map(|r| r.0.as_str()),
             branch = routed.map(|r| r.1),

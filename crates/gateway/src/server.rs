@@ -176,9 +176,9 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let arrived = access::Request::of(&request, route, Instant::now());
+    let arrived = access::Request::of(&request, route, Instant::now(), state.config.server.access_log);
     let response = next.run(request).await;
-    access::Counted::wrap(response, arrived, state.config.server.access_log)
+    access::Counted::wrap(response, arrived)
 }
 
 /// Middleware of the admin routes: [`admin_access`] with the connection's peer address.
