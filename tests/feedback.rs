@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{client, eventually, get, Proc};
+use common::{client, eventually, Proc};
 use http_body_util::BodyExt;
 use hyper::StatusCode;
 use serde_json::json;
@@ -58,15 +58,6 @@ async fn serve_one(mut socket: TcpStream, last: &'static str) {
     let _ = tokio::time::timeout(Duration::from_secs(30), socket.read_to_end(&mut rest)).await;
 }
 
-/// The value of the counter `name` summed over its series.
-fn counter(metrics: &str, name: &str) -> u64 {
-    metrics
-        .lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 /// Streams `n` chats, each read up to `[DONE]` and then dropped (as the OpenAI SDK does); returns the gateway's
 /// prompt and cached token counters afterwards.
 async fn chats_closed_at_done(last: &'static str, n: u64) -> (u64, u64) {
@@ -105,11 +96,7 @@ async fn chats_closed_at_done(last: &'static str, n: u64) -> (u64, u64) {
         })
         .await
     );
-    let text = get(&c, &format!("{}/metrics", gw.url)).await.text;
-    (
-        counter(&text, "dprouter_prompt_tokens_total"),
-        counter(&text, "dprouter_cached_tokens_total"),
-    )
+    common::token_counters(&c, &gw.url).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

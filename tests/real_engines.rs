@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{client, get, post, LlamaServers, Proc};
+use common::{client, post, LlamaServers, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
@@ -74,18 +74,6 @@ fn get_endpoint(reply: &common::Reply) -> String {
     reply.endpoint.clone().unwrap_or_default()
 }
 
-/// The gateway's prompt and cached token counters.
-async fn counters(gateway: &str) -> (u64, u64) {
-    let text = get(&client(), &format!("{gateway}/metrics")).await.text;
-    let sum = |name: &str| -> u64 {
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
-    };
-    (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
-}
-
 /// A gateway in front of `engines` with `policy`, each engine declared to cache `capacity` prompt tokens.
 fn gateway(engines: &LlamaServers, policy: &str, capacity: u64) -> Proc {
     let mut config = format!("[routing]\npolicy = \"{policy}\"\n");
@@ -121,7 +109,11 @@ async fn groups_of_agents(
         // What the clients saw is what the gateway counted.
         let prompt: u64 = seen.iter().flat_map(|s| &s.turns).map(|t| t.1).sum();
         let cached: u64 = seen.iter().flat_map(|s| &s.turns).map(|t| t.2).sum();
-        assert_eq!(counters(&gw.url).await, (prompt, cached), "{policy}");
+        assert_eq!(
+            common::token_counters(&client(), &gw.url).await,
+            (prompt, cached),
+            "{policy}"
+        );
     }
     hits
 }
@@ -178,7 +170,7 @@ async fn the_gateway_counts_what_the_engines_report_to_the_sdk() {
     .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let (prompt, cached) = counters(&gw.url).await;
+    let (prompt, cached) = common::token_counters(&client(), &gw.url).await;
     assert_eq!(
         (
             seen["prompt_tokens"].as_u64().unwrap(),

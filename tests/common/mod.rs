@@ -320,3 +320,15 @@ pub fn hold_port(port: u16) -> (tokio::net::TcpSocket, u16) {
 pub fn port_of(url: &str) -> u16 {
     url.rsplit(':').next().unwrap().trim_end_matches('/').parse().unwrap()
 }
+
+/// The gateway's `dprouter_prompt_tokens_total` and `dprouter_cached_tokens_total`, each summed over its endpoints.
+pub async fn token_counters(c: &HttpClient, gateway: &str) -> (u64, u64) {
+    let text = get(c, &format!("{gateway}/metrics")).await.text;
+    let sum = |name: &str| -> u64 {
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    };
+    (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
+}
