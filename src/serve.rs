@@ -116,8 +116,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         let state = AppState::new(config).await?;
         let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
         let addr = listener.local_addr()?;
+        let scheme = if state.tls_acceptor.is_some() { "https" } else { "http" };
         let mut out = std::io::stdout().lock();
-        writeln!(out, "dprouter serve listening on http://{addr}")?;
+        writeln!(out, "dprouter serve listening on {scheme}://{addr}")?;
         out.flush()?;
         drop(out);
         let endpoints = state.registry.membership().snapshot.len();

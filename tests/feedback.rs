@@ -112,3 +112,34 @@ async fn openai_usage_counts_when_the_client_hangs_up_at_done() {
     let (prompt, cached) = chats_closed_at_done(usage, 8).await;
     assert_eq!((prompt, cached), (8 * 50, 8 * 48));
 }
+
+/// OpenAI Responses: the report is `usage.input_tokens` with `input_tokens_details`, and in a stream it sits
+/// inside the `response` of the last event (after the whole output); the gateway counts it either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_usage_counts_whole_and_streamed() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "prefix_match"]);
+    let c = client();
+    let url = format!("{}/v1/responses", gw.url);
+    let body =
+        json!({"model": "m", "instructions": "Answer briefly. ".repeat(50), "input": "hi", "max_output_tokens": 3});
+    let whole = common::post(&c, &url, &[], &body).await;
+    assert_eq!(whole.status, StatusCode::OK, "{}", whole.text);
+    let mut expected = (
+        whole.json["usage"]["input_tokens"].as_u64().unwrap(),
+        whole.json["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    );
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let stream = common::post(&c, &url, &[], &streamed).await;
+    assert_eq!(stream.status, StatusCode::OK, "{}", stream.text);
+    let last = stream.text.trim_end().rsplit("data: ").next().unwrap();
+    let last: serde_json::Value = serde_json::from_str(last).unwrap();
+    let usage = &last["response"]["usage"];
+    expected.0 += usage["input_tokens"].as_u64().unwrap();
+    expected.1 += usage["input_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(expected.1 > 0, "the second request hit the cache: {usage}");
+    assert_eq!(common::token_counters(&c, &gw.url).await, expected);
+}

@@ -1,5 +1,5 @@
-"""Drives a dprouter gateway with the official `openai` package: chat, streaming and not, completions, embeddings
-and the model list.
+"""Drives a dprouter gateway with the official `openai` package: chat, streaming and not, completions, Responses,
+streaming and not, embeddings and the model list.
 
 Usage: python3 openai_client.py BASE_URL   (e.g. http://127.0.0.1:8000/v1); exits non-zero on any failure.
 """
@@ -29,6 +29,27 @@ assert usage is not None and usage.prompt_tokens_details.cached_tokens > 0, usag
 
 completion = client.completions.create(model="dprouter/mock", prompt="Once upon a time", max_tokens=3)
 assert len(completion.choices[0].text.split()) == 3, completion
+
+instructions = "You answer in one line. " * 100
+response = client.responses.create(model="dprouter/mock", instructions=instructions, input="Hi!", max_output_tokens=4)
+assert len(response.output_text.split()) == 4, response
+assert response.usage.input_tokens > 0, response.usage
+events = list(
+    client.responses.create(
+        model="dprouter/mock", instructions=instructions, input="Hi!", max_output_tokens=4, stream=True
+    )
+)
+deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+assert deltas == response.output_text, (deltas, response.output_text)
+final = events[-1].response
+assert final.usage.input_tokens == response.usage.input_tokens, final.usage
+assert final.usage.input_tokens_details.cached_tokens > 0, final.usage
+follow_up = client.responses.create(
+    model="dprouter/mock", input="And then?", previous_response_id=final.id, max_output_tokens=2
+)
+assert follow_up.usage.input_tokens > final.usage.input_tokens, follow_up.usage
+assert client.responses.retrieve(follow_up.id).id == follow_up.id
+client.responses.delete(follow_up.id)
 
 embeddings = client.embeddings.create(model="dprouter/mock", input=["first text", "second text"])
 assert [e.index for e in embeddings.data] == [0, 1], embeddings

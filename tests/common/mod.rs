@@ -20,7 +20,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" line. `DPROUTER_TEST_LOG` sets the
+    /// Runs `dprouter ARGS` and waits for its "listening on http://ADDR" (or `https://`) line. `DPROUTER_TEST_LOG` sets the
     /// processes' `RUST_LOG` (default `warn`), and `DPROUTER_TEST_BIN` the binary, to chase a rare failure with
     /// copies of the binaries while the tree is rebuilt.
     pub fn start(args: &[&str]) -> Proc {
@@ -40,7 +40,7 @@ impl Proc {
             .unwrap();
         let url = line.trim().rsplit(' ').next().unwrap().to_string();
         assert!(
-            url.starts_with("http://127.0.0.1:"),
+            url.starts_with("http://127.0.0.1:") || url.starts_with("https://127.0.0.1:"),
             "unexpected first line {line:?} from {command:?}"
         );
         Proc { child, url }

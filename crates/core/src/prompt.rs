@@ -7,9 +7,11 @@
 //! 2. `text` (SGLang) or `prompt` (OpenAI completions): the UTF-8 bytes of the string. A completions `prompt` that
 //!    is an array of token ids is used as token ids; a one-element array of strings as that string.
 //! 3. `messages` (OpenAI chat): the bytes of the canonical rendering below.
-//! 4. `input` (OpenAI embeddings and Responses): a string's bytes; token ids; an embeddings batch of strings (joined
-//!    by newlines) or of token-id lists (concatenated); Responses input items, rendered as a chat with
-//!    `instructions` as its system message.
+//! 4. `input` (OpenAI embeddings and Responses): a Responses request (input items, or `instructions` or `tools`
+//!    given) is rendered as a chat: `instructions` as the system message, then a string `input` as the user
+//!    message or each input item (an item without a `role` renders with its `type` in the role's place). Otherwise
+//!    an embeddings input: a string's bytes; token ids; a batch of strings (joined by newlines) or of token-id lists
+//!    (concatenated).
 //!
 //! Batches (several prompts in one request) are rejected: a router places one request on one rank.
 //!
@@ -20,8 +22,8 @@
 //! ```text
 //! if tools is a non-empty array:  "<|tools|>\n" + json(tools) + "\n"
 //! for each message, in order:     "<|" + role + "|>\n" + content + extras + "\n"
-//!   content: a string as is; an array of parts: each `text` part's text, any other part as json(part),
-//!            joined with "\n"; absent or null: nothing
+//!   content: a string as is; an array of parts: each `text` (`input_text`, `output_text`) part's text, any
+//!            other part as json(part), joined with "\n"; absent or null: nothing
 //!   extras:  if the message has fields besides role and content (name, tool_calls, tool_call_id, …):
 //!            "\n" + json(those fields as one object)
 //! ```
@@ -108,15 +110,24 @@ fn extract_prompt(obj: &Map<String, Value>) -> Result<Prompt, PromptError> {
         return render_chat(present(obj, "tools"), messages).map(Prompt::Bytes);
     }
     if let Some(input) = present(obj, "input") {
-        return input_prompt(input, present(obj, "instructions"));
+        return input_prompt(input, present(obj, "instructions"), present(obj, "tools"));
     }
     Err(PromptError::NoPrompt)
 }
 
-/// `input` (OpenAI embeddings and Responses): a string; token ids; several strings or token-id lists (an
-/// embeddings batch, keyed on all of them in order, joined by newlines); or Responses input items, rendered as a
-/// chat after `instructions` as the system message.
-pub(crate) fn input_prompt(input: &Value, instructions: Option<&Value>) -> Result<Prompt, PromptError> {
+/// `input` (OpenAI embeddings and Responses). A Responses request (input items, or `instructions` or `tools`
+/// given) is rendered as a chat ([`responses_prompt`]); otherwise `input` is an embeddings input: a string's bytes;
+/// token ids; or a batch of strings (keyed on all of them in order, joined by newlines) or of token-id lists
+/// (concatenated).
+pub(crate) fn input_prompt(
+    input: &Value,
+    instructions: Option<&Value>,
+    tools: Option<&Value>,
+) -> Result<Prompt, PromptError> {
+    let items = matches!(input, Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_object));
+    if items || instructions.is_some() || tools.is_some() {
+        return responses_prompt(input, instructions, tools).map(Prompt::Bytes);
+    }
     let bad = PromptError::Field {
         field: "input",
         expected: "a string, token ids, an array of strings or of token-id arrays, or input items",
@@ -142,13 +153,64 @@ pub(crate) fn input_prompt(input: &Value, instructions: Option<&Value>) -> Resul
             }
             Ok(Prompt::Tokens(all))
         }
-        Value::Array(items) if items.iter().all(Value::is_object) => {
-            let mut messages = Vec::with_capacity(items.len() + 1);
-            if let Some(system) = instructions {
-                messages.push(serde_json::json!({"role": "system", "content": system}));
+        _ => Err(bad),
+    }
+}
+
+/// A Responses request as the chat the engine makes of it: `tools`, then `instructions` as a system message, then
+/// a string `input` as a user message, or each input item. An item with a `role` is a message (its default
+/// `"type": "message"` dropped, so a conversation sent back as items renders as it did as a string); any other
+/// item (`function_call`, `function_call_output`, `reasoning`, ...) renders with its `type` in the role's place and
+/// its other fields as extras.
+fn responses_prompt(
+    input: &Value,
+    instructions: Option<&Value>,
+    tools: Option<&Value>,
+) -> Result<Vec<u8>, PromptError> {
+    let mut messages = Vec::new();
+    if let Some(system) = instructions {
+        let system = system.as_str().ok_or(PromptError::Field {
+            field: "instructions",
+            expected: "a string",
+        })?;
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    match input {
+        Value::String(text) => messages.push(serde_json::json!({"role": "user", "content": text})),
+        Value::Array(items) => {
+            for item in items {
+                messages.push(Value::Object(responses_item(item)?));
             }
-            messages.extend(items.iter().cloned());
-            render_chat(None, &Value::Array(messages)).map(Prompt::Bytes)
+        }
+        _ => {
+            return Err(PromptError::Field {
+                field: "input",
+                expected: "a string or an array of input items",
+            })
+        }
+    }
+    render_chat(tools, &Value::Array(messages))
+}
+
+fn responses_item(item: &Value) -> Result<Map<String, Value>, PromptError> {
+    let bad = PromptError::Field {
+        field: "input",
+        expected: "a string or an array of input items, each with a string `role` or `type`",
+    };
+    let mut item = item.as_object().ok_or(bad.clone())?.clone();
+    if item.get("role").is_some_and(Value::is_string) {
+        if item.get("type").and_then(Value::as_str) == Some("message") {
+            item.remove("type");
+        }
+        return Ok(item);
+    }
+    if item.contains_key("role") {
+        return Err(bad);
+    }
+    match item.remove("type") {
+        Some(kind @ Value::String(_)) => {
+            item.insert("role".to_owned(), kind);
+            Ok(item)
         }
         _ => Err(bad),
     }
@@ -215,14 +277,22 @@ pub(crate) fn render_tools(tools: Option<&Value>, out: &mut String) -> Result<()
     Ok(())
 }
 
-/// Content parts: each `text` part's text, any other part as json(part), joined with `"\n"`.
+/// Content parts: each `text` (`input_text`, `output_text`) part's text, any other part as json(part), joined with `"\n"`.
 pub(crate) fn render_parts(parts: &[Value], out: &mut String) {
     for (i, part) in parts.iter().enumerate() {
         if i > 0 {
             out.push('\n');
         }
         match part.get("text").and_then(Value::as_str) {
-            Some(text) if part.get("type").and_then(Value::as_str) == Some("text") => out.push_str(text),
+            // Chat's `text` parts and Responses' `input_text` and `output_text` parts alike.
+            Some(text)
+                if matches!(
+                    part.get("type").and_then(Value::as_str),
+                    Some("text" | "input_text" | "output_text")
+                ) =>
+            {
+                out.push_str(text)
+            }
             _ => out.push_str(&part.to_string()),
         }
     }
@@ -271,6 +341,60 @@ mod tests {
         match &req.prompt {
             Prompt::Bytes(b) => String::from_utf8(b.clone()).unwrap(),
             Prompt::Tokens(t) => panic!("expected bytes, got tokens {t:?}"),
+        }
+    }
+
+    #[test]
+    fn embeddings_inputs_key_on_their_text_or_tokens() {
+        let req = |input| parse_request(&json!({"model": "e", "input": input})).unwrap();
+        assert_eq!(bytes(&req(json!("embed me"))), "embed me");
+        assert_eq!(bytes(&req(json!(["a", "b"]))), "a\nb");
+        assert_eq!(req(json!([1, 2])).prompt, Prompt::Tokens(vec![1, 2]));
+        assert_eq!(req(json!([[1, 2], [3]])).prompt, Prompt::Tokens(vec![1, 2, 3]));
+    }
+
+    #[test]
+    fn a_responses_request_renders_as_the_chat_the_engine_makes_of_it() {
+        let tools = json!([{"type": "function", "name": "f", "parameters": {}}]);
+        let first = parse_request(&json!({"instructions": "Be terse.", "input": "hi", "tools": tools})).unwrap();
+        let tools_line = format!("<|tools|>\n{tools}\n");
+        assert_eq!(
+            bytes(&first),
+            format!("{tools_line}<|system|>\nBe terse.\n<|user|>\nhi\n")
+        );
+        // The next turn sends the conversation back as items: its key extends the first turn's.
+        let next = parse_request(&json!({"instructions": "Be terse.", "tools": tools, "input": [
+            {"type": "message", "role": "user", "content": "hi"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "42"},
+            {"role": "user", "content": [{"type": "input_text", "text": "and?"}]},
+        ]}))
+        .unwrap();
+        let next = bytes(&next);
+        assert!(next.starts_with(&bytes(&first)), "{next}");
+        assert!(next.ends_with(concat!(
+            "<|assistant|>\nhello\n",
+            "<|function_call|>\n\n{\"arguments\":\"{}\",\"call_id\":\"c1\",\"name\":\"f\"}\n",
+            "<|function_call_output|>\n\n{\"call_id\":\"c1\",\"output\":\"42\"}\n",
+            "<|user|>\nand?\n",
+        )));
+        // Without instructions or tools, a string input is keyed as it is (as for embeddings).
+        assert_eq!(bytes(&parse_request(&json!({"input": "hi"})).unwrap()), "hi");
+    }
+
+    #[test]
+    fn bad_responses_input_gives_a_clear_error() {
+        for (body, field) in [
+            (json!({"input": [{"content": "no role or type"}]}), "input"),
+            (json!({"input": [{"role": 5, "content": "x"}]}), "input"),
+            (json!({"input": "hi", "instructions": 5}), "instructions"),
+            (json!({"input": ["a"], "instructions": "x"}), "input"),
+        ] {
+            match parse_request(&body) {
+                Err(PromptError::Field { field: f, .. }) => assert_eq!(f, field, "{body}"),
+                other => panic!("{body}: {other:?}"),
+            }
         }
     }
 

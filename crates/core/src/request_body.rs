@@ -33,6 +33,9 @@ pub struct RequestBody {
     pub layout: Layout,
     /// The `model` member, when it is a string (for logs; routing does not read it).
     pub model: Option<String>,
+    /// OpenAI Responses' `previous_response_id`, when it is a string: the conversation continues a response that
+    /// one worker stored.
+    pub previous_response_id: Option<String>,
 }
 
 /// Where a body's top-level members are in its bytes, and which ones the worker never sees.
@@ -130,7 +133,8 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         Prompt::Bytes(crate::chat::render(tools.as_ref(), messages)?)
     } else if let Some(input) = field("input")? {
         let instructions = field("instructions")?.map(value).transpose()?;
-        prompt::input_prompt(&value(input)?, instructions.as_ref())?
+        let tools = field("tools")?.map(value).transpose()?;
+        prompt::input_prompt(&value(input)?, instructions.as_ref(), tools.as_ref())?
     } else {
         return Err(PromptError::NoPrompt);
     };
@@ -173,9 +177,11 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         .rev()
         .find(|m| m.key == "model")
         .and_then(|m| serde_json::from_str::<String>(m.value.get()).ok());
+    let previous_response_id = field("previous_response_id")?.and_then(|v| serde_json::from_str(v.get()).ok());
     Ok(RequestBody {
         route,
         model,
+        previous_response_id,
         layout: Layout {
             overrides: members
                 .iter()
@@ -333,6 +339,8 @@ mod tests {
         let body = parse_body(br#"{"prompt": "x", "prompt_cache_key": "user-7", "model": "m"}"#, true).unwrap();
         assert_eq!(body.route.session, Some(crate::request::session_hash("user-7")));
         assert_eq!(body.model.as_deref(), Some("m"));
+        let next = parse_body(br#"{"input": "more", "previous_response_id": "resp_1"}"#, true).unwrap();
+        assert_eq!(next.previous_response_id.as_deref(), Some("resp_1"));
         let odd = parse_body(br#"{"prompt": "x", "prompt_cache_key": 7, "model": 1}"#, true).unwrap();
         assert_eq!(
             (odd.route.session, odd.model),
@@ -459,7 +467,13 @@ mod tests {
             Just(("input", json!([{"role": "user", "content": "hi"}]))),
             Just(("input", json!([1, "a"]))),
             Just(("input", json!(5))),
+            Just((
+                "input",
+                json!([{"type": "function_call_output", "call_id": "c", "output": "1"}])
+            )),
+            Just(("input", json!([{"content": "neither role nor type"}]))),
             Just(("instructions", json!("be brief"))),
+            Just(("instructions", json!(7))),
         ];
         let field = prop_oneof![3 => field, 1 => messages().prop_map(|m| ("messages", m))];
         prop::collection::vec(field, 0..6).prop_map(|fields| {

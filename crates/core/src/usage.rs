@@ -9,14 +9,21 @@
 //! - OpenAI-style `usage` (vLLM, SGLang `/v1/*`, llama.cpp): `prompt_tokens`, and the cached part in
 //!   `prompt_tokens_details.cached_tokens` (0 when absent: engines omit it when nothing was cached or when the
 //!   feature is off, such as vLLM without `--enable-prompt-tokens-details`).
+//! - OpenAI Responses (`/v1/responses`): `usage` with `input_tokens` and `input_tokens_details.cached_tokens`; in a
+//!   stream, inside the `response` member of the `response.completed` (or `.incomplete`, `.failed`) event.
 //! - SGLang `/generate`: `meta_info.prompt_tokens` and `meta_info.cached_tokens`.
 //! - llama.cpp: `timings.prompt_n` (tokens evaluated) and `timings.cache_n` (tokens reused from its cache); the
 //!   prompt is their sum. A llama.cpp stream carries no `usage` unless the client set
 //!   `stream_options.include_usage`, but its last event always has `timings`.
 //!
-//! Only top-level members of a JSON body, or of an SSE event's `data:` JSON, count: the same names inside a
-//! message's content or a tool's arguments are skipped. A top-level member's value is kept while it is read, up to
+//! Only top-level members of a JSON body, or of an SSE event's `data:` JSON (and the members of a top-level
+//! `response` object, for Responses events), count: the same names inside a message's content or a tool's
+//! arguments are skipped. A top-level member's value is kept while it is read, up to
 //! [`MAX_MEMBER_BYTES`] (a usage report is a few hundred bytes); everything else is passed over without copying.
+//!
+//! A scanner made with [`UsageScanner::with_response_id`] also keeps the first `id` member read at that level: a
+//! Responses answer's id (top level when whole, inside `response.created`'s `response` when streamed), which the
+//! gateway needs to send the conversation's next turn (`previous_response_id`) to the worker that stored it.
 //!
 //! Cost: one pass over the bytes; outside strings byte by byte, inside strings a `memchr` jump to the next quote
 //! or backslash. Once a report is found the scanner stops looking (its framing state stays current).
@@ -50,6 +57,9 @@ pub enum Framing {
 pub struct UsageScanner {
     sse: bool,
     found: bool,
+    /// Keep the first `id` member.
+    want_id: bool,
+    response_id: Option<String>,
     /// SSE: the current line's state.
     line: Line,
     /// The JSON object being read (the whole body, or the current event's data).
@@ -77,11 +87,37 @@ impl UsageScanner {
         Self {
             sse,
             found: false,
+            want_id: false,
+            response_id: None,
             line: Line::Start(0),
             json: TopLevel::default(),
             last: [b'\n', b'\n'],
             seen: 0,
         }
+    }
+
+    /// A scanner that also keeps the response's id (see the module documentation).
+    pub fn with_response_id(sse: bool) -> Self {
+        let mut scanner = Self::new(sse);
+        scanner.want_id = true;
+        scanner.json.want_id = true;
+        scanner
+    }
+
+    /// The response's id, once read (only with [`Self::with_response_id`]); taken once.
+    pub fn take_response_id(&mut self) -> Option<String> {
+        self.response_id.take()
+    }
+
+    /// The object being read ended: its id (when one is wanted) and its report.
+    fn end_object(&mut self) -> Option<Usage> {
+        let mut object = std::mem::take(&mut self.json);
+        if self.want_id && self.response_id.is_none() {
+            self.response_id = object.id.take();
+            self.want_id = self.response_id.is_none();
+        }
+        self.json.want_id = self.want_id;
+        object.report()
     }
 
     /// Reads the next piece of the response; returns the report when this piece completes it (once per response).
@@ -100,7 +136,7 @@ impl UsageScanner {
         } else {
             self.json.feed(data);
             if self.json.complete() {
-                std::mem::take(&mut self.json).report()
+                self.end_object()
             } else {
                 None
             }
@@ -115,7 +151,7 @@ impl UsageScanner {
             return None;
         }
         self.line = Line::Start(0);
-        let report = std::mem::take(&mut self.json).report();
+        let report = self.end_object();
         self.found = report.is_some();
         report
     }
@@ -153,7 +189,10 @@ impl UsageScanner {
                     }
                     data = &data[n..];
                     self.line = if matched + n == DATA.len() {
-                        self.json = TopLevel::default();
+                        self.json = TopLevel {
+                            want_id: self.want_id,
+                            ..TopLevel::default()
+                        };
                         Line::Data
                     } else {
                         Line::Start((matched + n) as u8)
@@ -176,7 +215,7 @@ impl UsageScanner {
                     data = rest;
                     if end.is_some() {
                         self.line = Line::Start(0);
-                        if let Some(report) = std::mem::take(&mut self.json).report() {
+                        if let Some(report) = self.end_object() {
                             return Some(report);
                         }
                     }
@@ -193,6 +232,10 @@ enum Member {
     Usage,
     MetaInfo,
     Timings,
+    /// A Responses stream event's `response`: its own members are read as the top level's are.
+    Response,
+    /// The response's id, when it is wanted.
+    Id,
 }
 
 impl Member {
@@ -201,6 +244,8 @@ impl Member {
             b"usage" => Some(Member::Usage),
             b"meta_info" => Some(Member::MetaInfo),
             b"timings" => Some(Member::Timings),
+            b"response" => Some(Member::Response),
+            b"id" => Some(Member::Id),
             _ => None,
         }
     }
@@ -214,6 +259,10 @@ const KEY_BYTES: usize = 9;
 struct TopLevel {
     /// Open objects and arrays; the top-level object's members are at depth 1.
     depth: u32,
+    /// The value of a top-level `response` member comes next: if it is an object, its members count too.
+    opening_response: bool,
+    /// Inside the top-level `response` object: the members that count are at depth 2.
+    in_response: bool,
     in_string: bool,
     /// A backslash ended the last piece inside a string.
     escaped: bool,
@@ -230,6 +279,9 @@ struct TopLevel {
     keeping: Option<(Member, Option<Vec<u8>>)>,
     /// The top-level value ended.
     done: bool,
+    /// Keep the first `id` member.
+    want_id: bool,
+    id: Option<String>,
     usage: Option<UsageMember>,
     meta_info: Option<MetaInfoMember>,
     timings: Option<TimingsMember>,
@@ -237,7 +289,9 @@ struct TopLevel {
 
 #[derive(Debug, Deserialize)]
 struct UsageMember {
+    #[serde(alias = "input_tokens")]
     prompt_tokens: Option<u64>,
+    #[serde(alias = "input_tokens_details")]
     prompt_tokens_details: Option<Details>,
 }
 
@@ -261,6 +315,15 @@ struct TimingsMember {
 impl TopLevel {
     fn complete(&self) -> bool {
         self.done
+    }
+
+    /// The depth of the members that count.
+    fn members_depth(&self) -> u32 {
+        if self.in_response {
+            2
+        } else {
+            1
+        }
     }
 
     fn feed(&mut self, data: &[u8]) {
@@ -292,6 +355,7 @@ impl TopLevel {
                                 self.reading_key = false;
                                 self.pending = if self.key_len <= KEY_BYTES {
                                     Member::from_key(&self.key[..self.key_len])
+                                        .filter(|m| *m != Member::Id || (self.want_id && self.id.is_none()))
                                 } else {
                                     None
                                 };
@@ -302,33 +366,53 @@ impl TopLevel {
                 }
                 continue;
             }
-            match data[i] {
+            let byte = data[i];
+            if self.opening_response && !byte.is_ascii_whitespace() {
+                self.opening_response = false;
+                if byte == b'{' && self.depth == 1 {
+                    self.in_response = true;
+                    self.depth = 2;
+                    self.expect_key = true;
+                    i += 1;
+                    continue;
+                }
+            }
+            match byte {
                 b'"' => {
                     self.in_string = true;
-                    self.reading_key = self.depth == 1 && self.expect_key;
+                    self.reading_key = self.depth == self.members_depth() && self.expect_key;
                     self.key_len = 0;
                 }
                 b'{' | b'[' => {
                     self.depth += 1;
                     if self.depth == 1 {
-                        self.expect_key = data[i] == b'{';
+                        self.expect_key = byte == b'{';
                     }
                 }
                 b'}' | b']' => {
                     if self.depth == 1 {
                         self.end_member(data, &mut keep_from, i);
                         self.done = true;
+                    } else if self.in_response && self.depth == 2 {
+                        // The `response` object ended: back among the top level's members.
+                        self.end_member(data, &mut keep_from, i);
+                        self.in_response = false;
+                        self.expect_key = false;
                     }
                     self.depth = self.depth.saturating_sub(1);
                 }
-                b':' if self.depth == 1 => {
+                b':' if self.depth == self.members_depth() => {
                     self.expect_key = false;
-                    if let Some(member) = self.pending.take() {
-                        self.keeping = Some((member, Some(Vec::new())));
-                        keep_from = Some(i + 1);
+                    match self.pending.take() {
+                        Some(Member::Response) => self.opening_response = !self.in_response,
+                        Some(member) => {
+                            self.keeping = Some((member, Some(Vec::new())));
+                            keep_from = Some(i + 1);
+                        }
+                        None => {}
                     }
                 }
-                b',' if self.depth == 1 => {
+                b',' if self.depth == self.members_depth() => {
                     self.end_member(data, &mut keep_from, i);
                     self.expect_key = true;
                 }
@@ -375,6 +459,8 @@ impl TopLevel {
             Member::Usage => self.usage = serde_json::from_slice(&bytes).ok(),
             Member::MetaInfo => self.meta_info = serde_json::from_slice(&bytes).ok(),
             Member::Timings => self.timings = serde_json::from_slice(&bytes).ok(),
+            Member::Id => self.id = serde_json::from_slice(&bytes).ok(),
+            Member::Response => {}
         }
     }
 
@@ -457,6 +543,53 @@ mod tests {
     }
 
     #[test]
+    fn reads_responses_reports_whole_and_streamed() {
+        let whole_response = br#"{"id":"resp_1","object":"response","output":[{"type":"message","content":[{"type":"output_text","text":"usage"}]}],"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":3}}"#;
+        assert_eq!(whole(whole_response, false), usage(40, 32));
+        // A stream: `response.created` has `"usage": null`; the text deltas look like usage reports but are not
+        // top-level members; `response.completed` carries it inside `response`, after the whole output.
+        let stream = concat!(
+            "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"r\",\"usage\":null}}\n\n",
+            "event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"{\\\"usage\\\":1}\",\"item\":{\"usage\":{\"input_tokens\":1}}}\n\n",
+            "event: response.completed\ndata: {\"type\":\"response.completed\",\"sequence_number\":9,\"response\":{\"id\":\"r\",",
+            "\"output\":[{\"content\":[{\"text\":\"usage\",\"usage\":{\"input_tokens\":2}}]}],\"metadata\":{},",
+            "\"usage\":{\"input_tokens\":12,\"input_tokens_details\":{\"cached_tokens\":8},\"output_tokens\":2},\"user\":null},\"x\":1}\n\n",
+        );
+        assert_eq!(whole(stream.as_bytes(), true), usage(12, 8));
+        // Only a top-level `response`, and only its own members.
+        let nested =
+            br#"{"a":{"response":{"usage":{"input_tokens":1}}},"response":{"b":{"usage":{"input_tokens":2}}}}"#;
+        assert_eq!(whole(nested, false), None);
+        assert_eq!(
+            whole(br#"{"response":"usage","usage":{"input_tokens":3}}"#, false),
+            usage(3, 0)
+        );
+    }
+
+    #[test]
+    fn a_responses_id_is_kept_when_wanted() {
+        let whole = br#"{"id":"resp_1","output":[{"id":"msg_1"}],"usage":{"input_tokens":4}}"#;
+        let mut s = UsageScanner::with_response_id(false);
+        assert_eq!(s.feed(whole), usage(4, 0));
+        assert_eq!(s.take_response_id().as_deref(), Some("resp_1"));
+        assert_eq!(s.take_response_id(), None, "taken once");
+        let mut plain = UsageScanner::new(false);
+        plain.feed(whole);
+        assert_eq!(plain.take_response_id(), None, "not wanted");
+        // Streamed: the first event's `response.id`, read before the report; item ids are not it.
+        let mut s = UsageScanner::with_response_id(true);
+        let first = "event: response.output_item.added\ndata: {\"item\":{\"id\":\"msg_1\"}}\n\n";
+        assert_eq!(s.feed(first.as_bytes()), None);
+        assert_eq!(s.take_response_id(), None);
+        let created = "data: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_2\",\"usage\":null}}\n\n";
+        assert_eq!(s.feed(created.as_bytes()), None);
+        assert_eq!(s.take_response_id().as_deref(), Some("resp_2"));
+        let done = "data: {\"response\":{\"id\":\"resp_2\",\"usage\":{\"input_tokens\":5}}}\n\n";
+        assert_eq!(s.feed(done.as_bytes()), usage(5, 0));
+        assert_eq!(s.take_response_id(), None, "kept once");
+    }
+
+    #[test]
     fn only_top_level_members_count() {
         let nested = br#"{"choices":[{"message":{"content":"{\"usage\":{\"prompt_tokens\":1}}","usage":{"prompt_tokens":2}}}],"x":{"usage":{"prompt_tokens":3}}}"#;
         assert_eq!(whole(nested, false), None);
@@ -526,8 +659,10 @@ mod tests {
     proptest! {
         /// Split anywhere, a response gives the report it gives whole.
         #[test]
-        fn pieces_give_the_same_report(cuts in proptest::collection::vec(0usize..400, 0..12), sse in any::<bool>(), cached in 0u64..1000) {
+        fn pieces_give_the_same_report(cuts in proptest::collection::vec(0usize..400, 0..12), sse in any::<bool>(), cached in 0u64..1000, responses in any::<bool>()) {
             let json = format!(r#"{{"id":"x","choices":[{{"message":{{"content":"a \"q\" \\ {{usage}}"}}}}],"usage":{{"prompt_tokens":1000,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}}}"#);
+            // A Responses event: the same report inside `response`, after a member that holds a decoy.
+            let json = if responses { format!(r#"{{"type":"response.completed","response" : {{"output":[{{"usage":1}}],"response":{{"usage":2}}, "usage" : {{"input_tokens":1000,"input_tokens_details":{{"cached_tokens":{cached}}}}}}}}}"#) } else { json };
             let body = if sse { format!(": c\n\ndata: {{\"choices\":[]}}\r\n\r\ndata: {json}\n\ndata: [DONE]\n\n") } else { json };
             let bytes = body.as_bytes();
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(bytes.len())).collect();

@@ -30,6 +30,7 @@ use tokio::time::Sleep;
 
 use crate::access::Exchange;
 use crate::registry::{Failure, Registry};
+use crate::responses::ResponseHomes;
 use crate::telemetry;
 
 /// The ticket of a request the gateway routed.
@@ -72,6 +73,8 @@ pub struct GuardedBody<B = Incoming> {
     held: Option<Frame<Bytes>>,
     /// Told the first byte, the usage report, and a break or stall after the head went out.
     exchange: Exchange,
+    /// Where a Responses answer's id goes, once read.
+    homes: Option<Arc<ResponseHomes>>,
 }
 
 impl<B> GuardedBody<B> {
@@ -103,7 +106,15 @@ impl<B> GuardedBody<B> {
             yields: 0,
             held: None,
             exchange,
+            homes: None,
         }
+    }
+
+    /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
+    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>) -> Self {
+        self.scanner = UsageScanner::with_response_id(self.sse);
+        self.homes = Some(homes);
+        self
     }
 
     /// The engine's usage report was read: to the metrics and to the policy.
@@ -173,6 +184,11 @@ impl<B> GuardedBody<B> {
         }
         if let Some(usage) = self.scanner.feed(data) {
             self.report(usage);
+        }
+        if let Some(homes) = &self.homes {
+            if let Some(id) = self.scanner.take_response_id() {
+                homes.record(id, self.endpoint);
+            }
         }
         // From the first byte on, the deadline is the idle one, moved lazily: only when it fires is it checked
         // against the last byte (no timer update per event).

@@ -71,7 +71,7 @@ impl RankField {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
-    /// Base URL, e.g. `http://10.0.0.5:30000`.
+    /// Base URL, e.g. `http://10.0.0.5:30000`, or `https://…` (TLS; roots: `upstream_ca_file`).
     pub url: String,
     #[serde(default)]
     pub backend: Backend,
@@ -165,6 +165,10 @@ pub struct ServerConfig {
     /// One structured log line per answered request (target `dprouter::access`; fields: `docs/operations.md`,
     /// "Logs").
     pub access_log: bool,
+    /// TLS on the listener: the certificate chain (PEM, leaf first). Set with `tls_key_file`, or neither.
+    pub tls_cert_file: Option<std::path::PathBuf>,
+    /// TLS on the listener: the certificate's private key (PEM).
+    pub tls_key_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -178,6 +182,8 @@ impl Default for ServerConfig {
             max_in_flight: 2048,
             cors_allow_origins: Vec::new(),
             access_log: false,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -195,6 +201,11 @@ impl ServerConfig {
             if value == 0 {
                 return Err(ConfigError::Invalid(format!("server.{field} must be positive")));
             }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(ConfigError::Invalid(
+                "server.tls_cert_file and server.tls_key_file go together: set both for TLS, or neither".into(),
+            ));
         }
         for origin in &self.cors_allow_origins {
             let exact = origin.starts_with("http://") || origin.starts_with("https://");
@@ -239,6 +250,9 @@ pub struct GatewayConfig {
     pub retries: u32,
     /// Upstream connect timeout, milliseconds.
     pub connect_timeout_ms: u64,
+    /// PEM file of the certificate authorities that `https://` workers' certificates are checked against, instead
+    /// of the system's roots.
+    pub upstream_ca_file: Option<std::path::PathBuf>,
     /// How long the gateway waits for an engine's response head, milliseconds (a 504 after it). For a response
     /// that is not streamed the head comes with the whole answer. A client may ask for less with the header
     /// `x-dprouter-first-byte-timeout-ms`.
@@ -266,6 +280,7 @@ impl Default for GatewayConfig {
             model_aliases: Default::default(),
             retries: 2,
             connect_timeout_ms: 2000,
+            upstream_ca_file: None,
             first_byte_timeout_ms: 300_000,
             stream_idle_timeout_ms: 300_000,
             upstream_idle_timeout_ms: 30_000,
@@ -391,15 +406,17 @@ impl GatewayConfig {
 /// rank is an endpoint with its own load counters, so an absurd count must not allocate.
 pub const MAX_DP_SIZE: u32 = 1024;
 
-/// The form in which two worker URLs are compared: host lowercase, the port explicit, no trailing slash.
+/// The form in which two worker URLs are compared: scheme and host lowercase, the port explicit, no trailing
+/// slash.
 pub fn worker_url_key(url: &str) -> String {
     match url.trim().parse::<hyper::Uri>() {
         Ok(uri) if uri.host().is_some() => {
+            let scheme = uri.scheme_str().unwrap_or("http").to_ascii_lowercase();
             let host = uri.host().unwrap_or_default().to_ascii_lowercase();
-            let port = uri.port_u16().unwrap_or(80);
+            let port = uri.port_u16().unwrap_or(if scheme == "https" { 443 } else { 80 });
             let path = uri.path().trim_end_matches('/');
             let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
-            format!("http://{host}:{port}{path}{query}")
+            format!("{scheme}://{host}:{port}{path}{query}")
         }
         _ => url.trim().trim_end_matches('/').to_string(),
     }
@@ -411,9 +428,9 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
         .url
         .parse()
         .map_err(|_| ConfigError::Invalid(format!("worker url `{}` is not a URL", w.url)))?;
-    if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
         return Err(ConfigError::Invalid(format!(
-            "worker url `{}` must be http://host:port",
+            "worker url `{}` must be http://host:port or https://host:port",
             w.url
         )));
     }
@@ -585,9 +602,11 @@ mod tests {
             ("http://H:1", "http://h:1"),
             ("http://h", "http://h:80"),
             ("http://h:1/v/", "http://h:1/v"),
+            ("https://h", "HTTPS://h:443/"),
         ] {
             assert_eq!(worker_url_key(a), worker_url_key(b), "{a} {b}");
         }
+        assert_ne!(worker_url_key("http://h:443"), worker_url_key("https://h:443"));
         assert_ne!(worker_url_key("http://h:1"), worker_url_key("http://h:2"));
         assert_ne!(worker_url_key("http://h:1/a"), worker_url_key("http://h:1/b"));
     }

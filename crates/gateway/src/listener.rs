@@ -14,6 +14,10 @@
 //! want of file descriptors, connections idle for a while are asked to close (as nginx reuses keep-alive
 //! connections when it runs out), so idle clients cannot keep new ones out. Accept errors never end the loop: they
 //! are logged at most every few seconds and the loop pauses briefly.
+//!
+//! With TLS, the connection's task does the handshake first, within `header_read_timeout` (a client that connects
+//! and says nothing costs a slot no longer than one that sends half a head); the timeouts then watch the
+//! decrypted bytes.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -75,13 +79,17 @@ struct Shared {
     idle_timeout: Duration,
     /// Notified when new clients are kept waiting: idle connections close.
     pressure: Notify,
+    /// TLS on every connection, when configured.
+    tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
-/// Serves `router` on `listener` until `shutdown` completes, then drains (see the module documentation).
+/// Serves `router` on `listener` (over TLS with `tls`) until `shutdown` completes, then drains (see the module
+/// documentation).
 pub async fn run(
     listener: TcpListener,
     router: Router,
     config: &ServerConfig,
+    tls: Option<tokio_rustls::TlsAcceptor>,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     warn_if_short_of_fds(config);
@@ -89,6 +97,7 @@ pub async fn run(
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
         idle_timeout: Duration::from_millis(config.idle_timeout_ms),
         pressure: Notify::new(),
+        tls,
     });
     let slots = Arc::new(Semaphore::new(config.max_connections as usize));
     let (phase, watching) = watch::channel(Phase::Serving);
@@ -188,12 +197,33 @@ async fn serve_connection(
     peer: SocketAddr,
     router: Router,
     shared: Arc<Shared>,
+    phase: watch::Receiver<Phase>,
+    slot: OwnedSemaphorePermit,
+) {
+    let Some(acceptor) = shared.tls.clone() else {
+        return serve_stream(tcp, peer, router, shared, phase, slot).await;
+    };
+    match tokio::time::timeout(shared.header_read_timeout, acceptor.accept(tcp)).await {
+        Ok(Ok(stream)) => serve_stream(stream, peer, router, shared, phase, slot).await,
+        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+    }
+}
+
+/// Serves one connection's byte stream (TCP, or TLS over it).
+async fn serve_stream<S>(
+    stream: S,
+    peer: SocketAddr,
+    router: Router,
+    shared: Arc<Shared>,
     mut phase: watch::Receiver<Phase>,
     _slot: OwnedSemaphorePermit,
-) {
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
     let activity = Arc::new(Activity::new());
     let io = TokioIo::new(Watched {
-        inner: tcp,
+        inner: stream,
         activity: Arc::clone(&activity),
     });
     let service = ConnService {
@@ -355,13 +385,13 @@ impl Drop for RequestGuard {
     }
 }
 
-/// The client socket, reporting the bytes it reads to the connection's [`Activity`].
-struct Watched {
-    inner: TcpStream,
+/// The client's stream, reporting the bytes it reads to the connection's [`Activity`].
+struct Watched<S> {
+    inner: S,
     activity: Arc<Activity>,
 }
 
-impl AsyncRead for Watched {
+impl<S: AsyncRead + Unpin> AsyncRead for Watched<S> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let before = buf.filled().len();
         let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
@@ -372,7 +402,7 @@ impl AsyncRead for Watched {
     }
 }
 
-impl AsyncWrite for Watched {
+impl<S: AsyncWrite + Unpin> AsyncWrite for Watched<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
@@ -563,6 +593,7 @@ mod tests {
             header_read_timeout: Duration::from_millis(header_ms),
             idle_timeout: Duration::from_millis(idle_ms),
             pressure: Notify::new(),
+            tls: None,
         }
     }
 
@@ -611,7 +642,7 @@ mod tests {
             let shutdown = async {
                 let _ = stopped.await;
             };
-            run(listener, router, &config, shutdown).await
+            run(listener, router, &config, None, shutdown).await
         });
         let (local, reply, idle) = tokio::task::spawn_blocking(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -641,6 +672,73 @@ mod tests {
             started.elapsed()
         );
         drop(idle);
+    }
+
+    /// With TLS: a TLS client is served; a client that never says hello is closed after the header read timeout;
+    /// a plain-HTTP client is closed at once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tls_connections_are_served_and_silent_ones_closed() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = rcgen::CertificateParams::new(vec!["localhost".to_string()])
+            .unwrap()
+            .self_signed(&key)
+            .unwrap();
+        let dir = std::env::temp_dir().join(format!("dprouter-listener-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (cert_file, key_file) = (dir.join("cert.pem"), dir.join("key.pem"));
+        std::fs::write(&cert_file, cert.pem()).unwrap();
+        std::fs::write(&key_file, key.serialize_pem()).unwrap();
+        let acceptor = tokio_rustls::TlsAcceptor::from(crate::tls::server_config(&cert_file, &key_file).unwrap());
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let router = Router::new().route("/", axum::routing::get(|| async { "over tls" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let config = ServerConfig {
+            header_read_timeout_ms: 300,
+            ..ServerConfig::default()
+        };
+        tokio::spawn(async move { run(listener, router, &config, Some(acceptor), std::future::pending()).await });
+
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.der().clone()).unwrap();
+        let client = rustls::ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let connector = tokio_rustls::TlsConnector::from(Arc::new(client));
+        let tcp = TcpStream::connect(addr).await.unwrap();
+        let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+        let mut tls = connector.connect(name, tcp).await.unwrap();
+        tls.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut reply = Vec::new();
+        let _ = tls.read_to_end(&mut reply).await;
+        let reply = String::from_utf8_lossy(&reply);
+        assert!(
+            reply.starts_with("HTTP/1.1 200") && reply.ends_with("over tls"),
+            "{reply}"
+        );
+
+        // What the server sends before it closes (at most a TLS alert); a timeout if it never closes.
+        let until_closed = |mut tcp: TcpStream| async move {
+            let mut got = Vec::new();
+            let read = tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut got)).await;
+            read.map(|_| got)
+        };
+        let silent = until_closed(TcpStream::connect(addr).await.unwrap()).await;
+        assert_eq!(
+            silent.as_deref().ok(),
+            Some(&[][..]),
+            "closed after the header read timeout"
+        );
+        let mut plain = TcpStream::connect(addr).await.unwrap();
+        plain.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await.unwrap();
+        let plain = until_closed(plain).await.expect("not TLS: closed");
+        assert!(!plain.starts_with(b"HTTP/"), "{plain:?}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
-use dprouter_core::{dispatch_among, Branch, WorkerId};
+use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
 use http_body_util::BodyExt;
 
 use crate::body::{GatewayTicket, GuardedBody, Timing};
@@ -40,7 +40,7 @@ const FORWARDED_HEADERS: [HeaderName; 4] = [
     HeaderName::from_static(crate::server::REQUEST_ID),
 ];
 
-/// `POST /v1/chat/completions`, `/v1/completions`, `/generate`.
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/embeddings`, `/generate`.
 pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> Response {
     let received = Instant::now();
     match forward(&state, request, received).await {
@@ -181,11 +181,11 @@ fn upstream_request(
 }
 
 /// The path and query the worker gets: the client's, with `/v1` put in front of the OpenAI paths a client sent
-/// without it (`/chat/completions`, `/completions`), which not every engine serves.
+/// without it (`/chat/completions`, `/completions`, `/responses`), which not every engine serves.
 fn upstream_path(uri: &axum::http::Uri) -> String {
     let path_and_query = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
     match uri.path() {
-        "/chat/completions" | "/completions" => format!("/v1{path_and_query}"),
+        "/chat/completions" | "/completions" | "/responses" => format!("/v1{path_and_query}"),
         _ => path_and_query.to_string(),
     }
 }
@@ -219,12 +219,15 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     let bytes = read_body(state, &parts.headers, body).await?;
     let Parsed {
         bytes,
-        body: RequestBody {
-            mut route,
-            layout,
-            model,
-        },
+        body:
+            RequestBody {
+                mut route,
+                layout,
+                model,
+                previous_response_id,
+            },
     } = parse(state, &parts.headers, bytes).await?;
+    let responses_api = matches!(parts.uri.path(), "/v1/responses" | "/responses");
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let membership = state.registry.membership();
     let served = served_model(state, &membership, model.as_deref())?;
@@ -239,7 +242,12 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     let policy = state.policy_for(known.or(membership.sole_model()));
-    let mut ticket = dispatch_among(policy, &membership.snapshot, &serving, route)?;
+    let home = previous_response_id
+        .filter(|_| responses_api)
+        .and_then(|id| state.responses.home(&id));
+    let scope = Scope::of(home, &membership, &serving);
+    let accept = |rank: usize| serving(rank) && scope.contains(membership.targets[rank].id);
+    let mut ticket = dispatch_among(policy, &membership.snapshot, &accept, route)?;
     count_decision(state, ticket.pick.branch);
     // Workers that refused this request's connection.
     let mut refused: Vec<WorkerId> = Vec::new();
@@ -285,7 +293,9 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     target.state.record_success();
                 }
-                return Ok(relay(state, response, ticket, target, timing, served.clone().or(model)));
+                let remember = responses_api && status.is_success();
+                let model = served.clone().or(model);
+                return Ok(relay(state, response, ticket, target, timing, model, remember));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -344,7 +354,43 @@ fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration,
     Ok(Duration::from_millis(asked.min(configured)))
 }
 
-/// The client's response: the upstream status and headers, and the upstream body behind the load guard.
+/// Where a request may go besides its model's workers: anywhere, or, for the continuation of a stored Responses
+/// answer, the endpoint that made it, else another routable rank of its worker, else anywhere (the engine's 404
+/// then says the response is gone; [`crate::responses`]).
+#[derive(Debug, Clone, Copy)]
+enum Scope {
+    Any,
+    Worker(WorkerId),
+    Endpoint(EndpointId),
+}
+
+impl Scope {
+    fn of(home: Option<EndpointId>, membership: &Membership, serving: &dyn Fn(usize) -> bool) -> Self {
+        let Some(home) = home else { return Scope::Any };
+        let routable = |scope: Scope| {
+            membership
+                .snapshot
+                .healthy()
+                .iter()
+                .any(|&rank| serving(rank) && scope.contains(membership.targets[rank].id))
+        };
+        [Scope::Endpoint(home), Scope::Worker(home.worker)]
+            .into_iter()
+            .find(|&scope| routable(scope))
+            .unwrap_or(Scope::Any)
+    }
+
+    fn contains(self, id: EndpointId) -> bool {
+        match self {
+            Scope::Any => true,
+            Scope::Worker(worker) => id.worker == worker,
+            Scope::Endpoint(endpoint) => id == endpoint,
+        }
+    }
+}
+
+/// The client's response: the upstream status and headers, and the upstream body behind the load guard; with
+/// `remember`, the endpoint of the Responses answer's id is remembered.
 fn relay(
     state: &Arc<AppState>,
     response: hyper::Response<hyper::body::Incoming>,
@@ -352,6 +398,7 @@ fn relay(
     target: &Target,
     timing: Timing,
     model: Option<String>,
+    remember: bool,
 ) -> Response {
     let (parts, incoming) = response.into_parts();
     let sse = parts
@@ -369,6 +416,11 @@ fn relay(
         timing,
         exchange.clone(),
     );
+    let body = if remember {
+        body.remembering_the_response(Arc::clone(&state.responses))
+    } else {
+        body
+    };
     let mut out = Response::new(Body::new(body));
     out.extensions_mut().insert(exchange);
     *out.status_mut() = parts.status;

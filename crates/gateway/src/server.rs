@@ -21,7 +21,7 @@ use crate::config::{Backend, WorkerConfig};
 use crate::error::ApiError;
 use crate::listener::{self, InFlightLimit};
 use crate::state::AppState;
-use crate::{access, health, proxy, telemetry};
+use crate::{access, health, proxy, responses, telemetry};
 
 /// Every route of the gateway.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -33,15 +33,20 @@ pub fn router(state: Arc<AppState>) -> Router {
     let router = Router::new()
         .route("/v1/chat/completions", post(proxy::generate))
         .route("/v1/completions", post(proxy::generate))
-        // A client given the base URL without `/v1` (llama.cpp serves both): the same, sent on with `/v1`.
+        .route("/v1/responses", post(proxy::generate))
         .route("/v1/embeddings", post(proxy::generate))
+        // A client given the base URL without `/v1` (llama.cpp serves both): the same, sent on with `/v1`.
         .route("/chat/completions", post(proxy::generate))
         .route("/completions", post(proxy::generate))
+        .route("/responses", post(proxy::generate))
         .route("/generate", post(proxy::generate))
         .route_layer(middleware::from_fn_with_state(
             InFlightLimit::new(state.config.server.max_in_flight),
             listener::limit_in_flight,
         ))
+        .route("/v1/responses/{id}", get(responses::stored).delete(responses::stored))
+        .route("/v1/responses/{id}/cancel", post(responses::stored))
+        .route("/v1/responses/{id}/input_items", get(responses::stored))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/health", get(|| async { "ok\n" }))
@@ -138,7 +143,8 @@ pub async fn serve(
     let (stop, stopped) = watch::channel(false);
     let tasks = health::spawn(Arc::clone(&state), stopped);
     let config = state.config.server.clone();
-    let served = listener::run(listener, router(state), &config, shutdown).await;
+    let tls = state.tls_acceptor.clone();
+    let served = listener::run(listener, router(state), &config, tls, shutdown).await;
     let _ = stop.send(true);
     for task in tasks {
         let _ = task.await;
@@ -397,6 +403,8 @@ async fn add_worker(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
     let (id, dp_size) = state.add_worker(&worker).await.map_err(|e| match e {
         StartError::Config(ConfigError::Invalid(message)) => invalid(&message),
         StartError::Config(other) => invalid(&other),
+        // Only the start reads TLS files; an added worker uses the client built then.
+        e @ StartError::Tls(_) => ApiError::Unavailable(e.to_string()),
         e @ StartError::Duplicate { .. } => ApiError::Conflict(e.to_string()),
         StartError::Worker { url, message } => {
             tracing::warn!(%url, error = %message, "POST /workers: the worker did not tell its ranks");

@@ -21,6 +21,10 @@ pub struct AppState {
     policies: arc_swap::ArcSwap<std::collections::HashMap<String, Arc<dyn Policy>>>,
     adding_policy: Mutex<()>,
     pub upstream: Upstream,
+    /// TLS on the listener, when the config has a certificate.
+    pub tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
+    /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
+    pub responses: Arc<crate::responses::ResponseHomes>,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
@@ -35,6 +39,8 @@ pub struct AppState {
 pub enum StartError {
     #[error(transparent)]
     Config(#[from] crate::config::ConfigError),
+    #[error("TLS: {0}")]
+    Tls(String),
     #[error("cannot add worker {url}: {message}")]
     Worker { url: String, message: String },
     #[error("worker {url} is already registered as worker {id}; remove it first (DELETE /workers/{id}) to replace it")]
@@ -53,7 +59,15 @@ impl AppState {
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
+                crate::tls::client_config(config.upstream_ca_file.as_deref()).map_err(StartError::Tls)?,
             ),
+            tls_acceptor: match (&config.server.tls_cert_file, &config.server.tls_key_file) {
+                (Some(cert), Some(key)) => Some(tokio_rustls::TlsAcceptor::from(
+                    crate::tls::server_config(cert, key).map_err(StartError::Tls)?,
+                )),
+                _ => None,
+            },
+            responses: Arc::new(crate::responses::ResponseHomes::new(crate::responses::REMEMBERED)),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
             adding: Mutex::new(()),

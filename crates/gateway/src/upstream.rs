@@ -1,4 +1,5 @@
-//! The HTTP client to workers: forwarding, probes, discovery and load polling.
+//! The HTTP client to workers (plain HTTP, or TLS for `https://` ones): forwarding, probes, discovery and load
+//! polling.
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::body::{Body, Frame, SizeHint};
 use hyper::{Method, Request, Response, StatusCode};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -24,16 +26,23 @@ pub type UpstreamError = hyper_util::client::legacy::Error;
 /// A pooled HTTP/1 client.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Chunks>,
+    client: Client<HttpsConnector<HttpConnector>, Chunks>,
 }
 
 impl Upstream {
-    /// A client whose connections take at most `connect_timeout` to open and are closed after `idle_timeout`
-    /// unused in the pool. (The pool enforces its idle timeout only with a timer.)
-    pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
+    /// A client whose connections take at most `connect_timeout` to open (TCP; a TLS handshake counts against
+    /// the first-byte timeout) and are closed after `idle_timeout` unused in the pool (the pool enforces its idle
+    /// timeout only with a timer). `tls` serves `https://` workers.
+    pub fn new(connect_timeout: Duration, idle_timeout: Duration, tls: rustls::ClientConfig) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(connect_timeout));
+        connector.enforce_http(false);
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(connector);
         Self {
             client: Client::builder(TokioExecutor::new())
                 .pool_timer(TokioTimer::new())

@@ -1,7 +1,7 @@
 //! HTTP routes with SGLang's (and OpenAI's) request and response shapes.
 //!
 //! Generation: `POST /generate` (SGLang native), `/v1/chat/completions`, `/v1/completions`, streaming (`data: {...}`
-//! events ending with `data: [DONE]`) or not. Every generation response carries the serving rank in the
+//! events ending with `data: [DONE]`) or not, and `/v1/responses` (OpenAI Responses, stored: [`crate::responses`]). Every generation response carries the serving rank in the
 //! `x-dp-rank` header (and `/generate` in `meta_info.dp_rank`). Control: `GET /health`, `/health_generate`,
 //! `/get_server_info`, `/get_load`, `/v1/models`, `POST /flush_cache`.
 
@@ -22,6 +22,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::engine::{Api, Emit, Engine, Refusal};
+use crate::responses::{Keep, ResponseStore};
 use crate::tokenizer::encode;
 use dprouter_sim::tokens::mix;
 
@@ -29,10 +30,14 @@ use dprouter_sim::tokens::mix;
 pub const SERVED_RANK_HEADER: &str = "x-dp-rank";
 
 #[derive(Clone)]
-struct AppState {
+pub(crate) struct AppState {
     engine: Arc<Engine>,
     started: Instant,
+    /// Response ids: a random prefix per process (ids from two engines never collide, as engines' uuids do not),
+    /// then a counter.
+    id_prefix: u64,
     next_id: Arc<AtomicU64>,
+    pub(crate) responses: Arc<ResponseStore>,
 }
 
 /// The mock engine's routes.
@@ -40,12 +45,22 @@ pub fn router(engine: Arc<Engine>) -> Router {
     let state = AppState {
         engine,
         started: Instant::now(),
+        id_prefix: {
+            use std::hash::BuildHasher;
+            std::collections::hash_map::RandomState::new().hash_one(std::process::id())
+        },
         next_id: Arc::new(AtomicU64::new(0)),
+        responses: Arc::default(),
     };
     Router::new()
         .route("/generate", post(generate))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(responses))
+        .route(
+            "/v1/responses/{id}",
+            get(crate::responses::get_response).delete(crate::responses::delete_response),
+        )
         .route("/v1/embeddings", post(embeddings))
         .route("/health", get(health))
         .route("/health_generate", get(health))
@@ -58,7 +73,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .with_state(state)
 }
 
-fn error(status: StatusCode, message: impl Into<String>) -> Response {
+pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
     let kind = if status.is_client_error() {
         "BadRequestError"
     } else {
@@ -147,6 +162,7 @@ enum Kind {
     Generate,
     Chat,
     Completion,
+    Responses,
 }
 
 /// One generation request, parsed.
@@ -157,17 +173,37 @@ struct Job {
     stream: bool,
     include_usage: bool,
     rank_override: Option<i64>,
+    /// Responses: the prompt text, when the answer is to be stored.
+    keep: Option<String>,
 }
 
 fn bad(message: impl Into<String>) -> Response {
     error(StatusCode::BAD_REQUEST, message)
 }
 
-fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8]) -> Result<Job, String> {
+/// Parses a generation request; `prior` is the conversation a Responses request continues.
+fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8], prior: Option<String>) -> Result<Job, String> {
     let value: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let req = parse_request(&value).map_err(|e| e.to_string())?;
+    let mut responses_prompt = None;
     let tokens = match (&req.prompt, kind) {
         (Prompt::Tokens(ids), _) => ids.clone(),
+        (Prompt::Bytes(b), Kind::Responses) => {
+            // The conversation so far, then the request rendered as a chat (a lone string input is the user's
+            // message), then the generation prompt.
+            let chat = value.get("instructions").is_some_and(|v| !v.is_null())
+                || value.get("tools").is_some_and(|v| !v.is_null())
+                || !value["input"].is_string();
+            let text = String::from_utf8_lossy(b);
+            let prompt = if chat {
+                format!("{}{text}<|assistant|>\n", prior.unwrap_or_default())
+            } else {
+                format!("{}<|user|>\n{text}\n<|assistant|>\n", prior.unwrap_or_default())
+            };
+            let tokens = encode(&prompt);
+            responses_prompt = Some(prompt);
+            tokens
+        }
         (Prompt::Bytes(_), Kind::Chat) => {
             // The fixed chat template: the canonical rendering plus the generation prompt.
             let mut text = render_chat(value.get("tools").filter(|t| !t.is_null()), &value["messages"])
@@ -185,6 +221,7 @@ fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8]) -> Result<J
             .filter(|v| !v.is_null())
             .or(value.get("max_tokens")),
         Kind::Completion => value.get("max_tokens"),
+        Kind::Responses => value.get("max_output_tokens"),
     };
     let max_new_tokens = match max.filter(|v| !v.is_null()) {
         None => {
@@ -224,6 +261,8 @@ fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8]) -> Result<J
         tokens,
         max_new_tokens,
         stream: value.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        // Stored unless `"store": false`.
+        keep: responses_prompt.filter(|_| value.get("store").and_then(Value::as_bool) != Some(false)),
         include_usage: value
             .pointer("/stream_options/include_usage")
             .and_then(Value::as_bool)
@@ -233,15 +272,31 @@ fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8]) -> Result<J
 }
 
 async fn generate(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    serve_job(s, Kind::Generate, &headers, &body).await
+    serve_job(s, Kind::Generate, &headers, &body, None).await
 }
 
 async fn chat_completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    serve_job(s, Kind::Chat, &headers, &body).await
+    serve_job(s, Kind::Chat, &headers, &body, None).await
 }
 
 async fn completions(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    serve_job(s, Kind::Completion, &headers, &body).await
+    serve_job(s, Kind::Completion, &headers, &body, None).await
+}
+
+/// `POST /v1/responses`; one that continues a response this process does not have is a 404, as vLLM and SGLang
+/// answer it.
+async fn responses(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
+    let previous = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("previous_response_id")?.as_str().map(str::to_owned));
+    let prior = match previous {
+        None => None,
+        Some(id) => match s.responses.conversation(&id) {
+            Some(conversation) => Some(conversation),
+            None => return error(StatusCode::NOT_FOUND, format!("Response with id '{id}' not found.")),
+        },
+    };
+    serve_job(s, Kind::Responses, &headers, &body, prior).await
 }
 
 /// The length of the mock's embedding vectors.
@@ -313,8 +368,8 @@ async fn embeddings(State(s): State<AppState>, body: Bytes) -> Response {
     .into_response()
 }
 
-async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) -> Response {
-    let job = match parse_job(kind, s.engine.config().api, headers, body) {
+async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], prior: Option<String>) -> Response {
+    let job = match parse_job(kind, s.engine.config().api, headers, body, prior) {
         Ok(job) => job,
         Err(message) => return bad(message),
     };
@@ -324,7 +379,7 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
         Err(refusal @ Refusal::Internal) => return error(StatusCode::INTERNAL_SERVER_ERROR, refusal.to_string()),
         Err(refusal) => return error(StatusCode::SERVICE_UNAVAILABLE, refusal.to_string()),
     };
-    let id = s.next_id.fetch_add(1, Relaxed);
+    let id = format!("{:016x}{:x}", s.id_prefix, s.next_id.fetch_add(1, Relaxed));
     let (tx, rx) = mpsc::channel(64);
     // Greedy decoding: the same prompt always gets the same answer.
     let seed = job
@@ -335,7 +390,7 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
     tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens.clone(), job.max_new_tokens, seed, job.stream, tx));
     let render = Renderer {
         kind: job.kind,
-        id: format!("{id:x}"),
+        id,
         model: s.engine.config().model.clone(),
         created: unix_time(),
         rank,
@@ -345,6 +400,11 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
         prompt_tokens: 0,
         cached_tokens: 0,
         completion_tokens: 0,
+        sequence: 0,
+        keep: job.keep.map(|prompt| Keep {
+            store: Arc::clone(&s.responses),
+            prompt,
+        }),
     };
     let mut response = if job.stream {
         stream_response(render, rx)
@@ -358,18 +418,22 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8]) ->
 }
 
 /// Builds response bodies in the shape of the request's API.
-struct Renderer {
+pub(crate) struct Renderer {
     kind: Kind,
-    id: String,
-    model: String,
-    created: u64,
+    pub(crate) id: String,
+    pub(crate) model: String,
+    pub(crate) created: u64,
     rank: usize,
     include_usage: bool,
-    text: String,
+    pub(crate) text: String,
     output_ids: Vec<u32>,
-    prompt_tokens: usize,
-    cached_tokens: usize,
-    completion_tokens: u32,
+    pub(crate) prompt_tokens: usize,
+    pub(crate) cached_tokens: usize,
+    pub(crate) completion_tokens: u32,
+    /// Responses: the next event's `sequence_number`.
+    pub(crate) sequence: u64,
+    /// Responses: where the answer is stored once it ends.
+    pub(crate) keep: Option<Keep>,
 }
 
 impl Renderer {
@@ -444,6 +508,7 @@ impl Renderer {
                 json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
                        "model": self.model, "choices": [{"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish_reason}]})
             }
+            Kind::Responses => unreachable!("Responses events are built by `responses_events`"),
         }
     }
 
@@ -471,6 +536,7 @@ impl Renderer {
                 "choices": [{"index": 0, "text": self.text, "logprobs": null, "finish_reason": "length"}],
                 "usage": self.usage()})
             }
+            Kind::Responses => self.response(true),
         }
     }
 }
@@ -483,6 +549,7 @@ async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<Emit>) -> R
     while let Some(emit) = rx.recv().await {
         if let Emit::Done { .. } = emit {
             render.absorb(&emit);
+            render.keep_response();
             return Json(render.whole()).into_response();
         }
         render.absorb(&emit);
@@ -514,6 +581,12 @@ fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
                     StreamState::Ended,
                 ))
             }
+            Emit::Done { .. } if render.kind == Kind::Responses => {
+                render.absorb(&emit);
+                render.keep_response();
+                let out = render.responses_events(None, first, true);
+                Some((Ok(Bytes::from(out)), StreamState::Ended))
+            }
             Emit::Done { .. } => {
                 render.absorb(&emit);
                 let mut out = sse(&render.chunk(None, false, true)).to_vec();
@@ -525,7 +598,11 @@ fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
             }
             _ => {
                 let delta = render.absorb(&emit);
-                let chunk = sse(&render.chunk(delta.as_deref(), first, false));
+                let chunk = if render.kind == Kind::Responses {
+                    Bytes::from(render.responses_events(delta.as_deref(), first, false))
+                } else {
+                    sse(&render.chunk(delta.as_deref(), first, false))
+                };
                 Some((Ok(chunk), StreamState::Running(render, rx, false)))
             }
         }

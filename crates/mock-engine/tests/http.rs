@@ -316,6 +316,101 @@ async fn streaming_and_whole_responses_carry_the_same_tokens() {
 }
 
 #[tokio::test]
+async fn responses_stream_typed_events_that_agree_with_the_whole_response() {
+    let s = start(config(1, "zero", 1.0)).await;
+    let body = json!({"model": "m", "instructions": "Be terse.", "input": "hi", "max_output_tokens": 5});
+    let (status, _, whole) = s.post("/v1/responses", &[], body.clone()).await;
+    assert_eq!(status, StatusCode::OK, "{whole}");
+    assert_eq!(
+        (whole["object"].as_str(), whole["status"].as_str()),
+        (Some("response"), Some("incomplete"))
+    );
+    let text = whole["output"][0]["content"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(text.split_whitespace().count(), 5);
+    assert_eq!(whole["usage"]["output_tokens"], 5);
+    assert!(whole["usage"]["input_tokens"].as_u64().unwrap() > 0);
+    assert_eq!(
+        whole["usage"]["input_tokens_details"]["cached_tokens"].as_u64(),
+        Some(0)
+    );
+
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let mut resp = s.send("/v1/responses", &[], &streamed).await;
+    assert_eq!(resp.status(), StatusCode::OK);
+    let raw = resp.body_mut().collect().await.unwrap().to_bytes();
+    let raw = std::str::from_utf8(&raw).unwrap();
+    let events: Vec<(&str, Value)> = raw
+        .split_terminator("\n\n")
+        .map(|event| {
+            let (kind, data) = event.split_once('\n').unwrap();
+            let kind = kind.strip_prefix("event: ").unwrap();
+            let data: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
+            assert_eq!(data["type"], kind);
+            (kind, data)
+        })
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|(k, _)| *k).collect();
+    assert_eq!(
+        kinds[..4],
+        [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added"
+        ]
+    );
+    assert_eq!(kinds.iter().filter(|k| **k == "response.output_text.delta").count(), 5);
+    assert_eq!(kinds.last(), Some(&"response.incomplete"));
+    let sequence: Vec<u64> = events
+        .iter()
+        .map(|(_, e)| e["sequence_number"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sequence, (0..events.len() as u64).collect::<Vec<_>>());
+    let deltas: String = events.iter().filter_map(|(_, e)| e.get("delta")?.as_str()).collect();
+    assert_eq!(deltas, text, "greedy: the same answer");
+    let last = &events.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"].as_str(), Some(text.as_str()));
+    assert_eq!(last["usage"]["input_tokens"], whole["usage"]["input_tokens"]);
+    assert!(
+        last["usage"]["input_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0,
+        "the second time, cached"
+    );
+}
+
+#[tokio::test]
+async fn a_stored_response_is_continued_and_read() {
+    let s = start(config(1, "zero", 1.0)).await;
+    let first = json!({"model": "m", "instructions": "Be terse.", "input": "hi", "max_output_tokens": 3});
+    let (status, _, made) = s.post("/v1/responses", &[], first).await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    let id = made["id"].as_str().unwrap().to_string();
+    // The next turn's prompt extends the stored one: all of it but the new input is cached.
+    let next = json!({"model": "m", "input": "and then?", "previous_response_id": id, "max_output_tokens": 3});
+    let (status, _, continued) = s.post("/v1/responses", &[], next).await;
+    assert_eq!(status, StatusCode::OK, "{continued}");
+    let (input, cached) = (
+        continued["usage"]["input_tokens"].as_u64().unwrap(),
+        continued["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap(),
+    );
+    assert!(
+        input > made["usage"]["input_tokens"].as_u64().unwrap() && cached > 0,
+        "{continued}"
+    );
+    let got = s.get(&format!("/v1/responses/{id}")).await;
+    assert_eq!(got["id"], json!(id));
+    let unknown = json!({"model": "m", "input": "x", "previous_response_id": "resp_nope"});
+    let (status, _, refused) = s.post("/v1/responses", &[], unknown).await;
+    assert_eq!(status, StatusCode::NOT_FOUND, "{refused}");
+    let not_kept = json!({"model": "m", "input": "x", "store": false, "max_output_tokens": 1});
+    let (_, _, made) = s.post("/v1/responses", &[], not_kept).await;
+    let gone = s.get(&format!("/v1/responses/{}", made["id"].as_str().unwrap())).await;
+    assert_eq!(gone["error"]["code"], 404, "store: false keeps nothing: {gone}");
+}
+
+#[tokio::test]
 async fn get_load_reflects_running_requests_and_disconnects_abort() {
     // Slow decode: 1,000 tokens at 50 ms each keep the request running while we look.
     let mut cfg = config(2, "zero", 1.0);
