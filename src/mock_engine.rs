@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
+use dprouter_core::kv_events::Encoding;
 use dprouter_mock_engine::{serve, Api, Engine, EngineConfig, Faults};
 
 use crate::cost_args::CostArgs;
@@ -62,6 +63,22 @@ pub struct MockEngineArgs {
     /// Fault: /health answers 503.
     #[arg(long)]
     unhealthy: bool,
+    /// Publish each rank's KV cache events on ZMQ, as vLLM and SGLang do: rank r on this endpoint's port + r
+    /// (tcp://127.0.0.1:0: a free port each; /get_server_info lists them).
+    #[arg(long, value_name = "tcp://HOST:PORT")]
+    kv_events: Option<String>,
+    /// Serve replays of the last 10,000 batches per rank (port + rank, or 0 for free ports).
+    #[arg(long, value_name = "tcp://HOST:PORT", requires = "kv_events")]
+    kv_events_replay: Option<String>,
+    /// How events are encoded: positional arrays (older engines) or maps with a "type" key (newer ones).
+    #[arg(long, value_enum, default_value = "positional")]
+    kv_events_encoding: EncodingArg,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum EncodingArg {
+    Positional,
+    Named,
 }
 
 impl MockEngineArgs {
@@ -92,6 +109,7 @@ impl MockEngineArgs {
                 unhealthy: self.unhealthy,
             },
             seed: self.seed,
+            kv_events: self.kv_events.is_some(),
         })
     }
 }
@@ -108,7 +126,18 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<ExitCode> {
         out.flush()?;
         drop(out);
         tracing::info!(%addr, dp_size = config.dp_size, preset = %args.cost.preset, time_scale = config.time_scale, "mock engine started");
-        serve(listener, Engine::new(config), shutdown_signal()).await.context("serving")?;
+        let engine = Engine::new(config);
+        if let Some(endpoint) = &args.kv_events {
+            let encoding = match args.kv_events_encoding {
+                EncodingArg::Positional => Encoding::Positional,
+                EncodingArg::Named => Encoding::Named,
+            };
+            let bound = dprouter_mock_engine::kv_publisher::start(&engine, endpoint, args.kv_events_replay.as_deref(), encoding)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            tracing::info!(?bound, "publishing KV events");
+        }
+        serve(listener, engine, shutdown_signal()).await.context("serving")?;
         Ok(ExitCode::SUCCESS)
     })
 }

@@ -76,9 +76,7 @@ impl ServeArgs {
                     url: url.clone(),
                     backend,
                     dp_size: self.dp_size,
-                    rank_field: Default::default(),
-                    kv_capacity_tokens: None,
-                    models: Vec::new(),
+                    ..WorkerConfig::default()
                 })
                 .collect();
         }
@@ -110,7 +108,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         if config.workers.is_empty() {
             let url = start_embedded_engine().await?;
             tracing::info!(%url, dp_size = EMBEDDED_DP, preset = EMBEDDED_PRESET, "no worker given: fronting an embedded mock engine");
-            config.workers.push(WorkerConfig { url, backend: Backend::Sglang, dp_size: Some(EMBEDDED_DP), rank_field: Default::default(), kv_capacity_tokens: None, models: Vec::new() });
+            config.workers.push(WorkerConfig { url, backend: Backend::Sglang, dp_size: Some(EMBEDDED_DP), ..WorkerConfig::default() });
         }
         let listen = config.listen;
         let state = AppState::new(config).await?;

@@ -6,7 +6,9 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{client, get, read, send, Proc};
+use std::time::Duration;
+
+use common::{client, eventually, get, read, send, Proc};
 use dprouter_gateway::telemetry;
 use hyper::StatusCode;
 use serde_json::{json, Value};
@@ -215,6 +217,36 @@ fn parse_scrape(text: &str) -> (BTreeSet<String>, BTreeMap<String, String>) {
 /// Ordinary traffic through a gateway whose first worker refuses connections (one retry) in front of an engine that
 /// answers 30% of generations with a 500 (a fixed seed makes which ones deterministic); then every series the
 /// dashboard queries is in the scrape.
+/// A gateway whose `cache_aware` follows a mock engine's KV events, after a few requests: its scrape.
+async fn precise_mode_scrape(c: &common::HttpClient) -> String {
+    let engine = Proc::engine(&["--dp-size", "2", "--kv-events", "tcp://127.0.0.1:0"]);
+    let info = get(c, &format!("{}/get_server_info", engine.url)).await.json;
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-precise.toml");
+    let toml = format!(
+        "[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\n",
+        engine.url, info["kv_events_endpoints"]
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let sent = std::sync::atomic::AtomicU32::new(0);
+    // Requests until one's events arrive (the subscription starts within a second of the gateway, and events
+    // published before it are lost without a replay endpoint).
+    let batches = eventually(Duration::from_secs(10), || async {
+        // A new prompt each time: only new blocks make events.
+        let n = sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let body = json!({"text": format!("prompt {n} long enough to fill a block or two of the index"), "sampling_params": {"max_new_tokens": 2}});
+        let reply = read(send(c, &format!("{}/generate", gw.url), &[], body.to_string()).await).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        get(c, &format!("{}/metrics", gw.url))
+            .await
+            .text
+            .lines()
+            .any(|l| l.starts_with(telemetry::KV_EVENT_BATCHES) && !l.ends_with(" 0"))
+    });
+    assert!(batches.await, "no KV event batch was applied");
+    get(c, &format!("{}/metrics", gw.url)).await.text
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_exports_every_series_the_dashboard_queries() {
     let engine = Proc::engine(&["--dp-size", "2", "--error-rate", "0.3", "--seed", "7"]);
@@ -281,7 +313,12 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
 
     let scrape = get(&c, &format!("{}/metrics", gw.url)).await;
     assert_eq!(scrape.status, StatusCode::OK);
-    let (samples, kinds) = parse_scrape(&scrape.text);
+    let (mut samples, mut kinds) = parse_scrape(&scrape.text);
+    // Precise mode's series come from a second gateway, with cache_aware following an engine's KV events.
+    let precise = precise_mode_scrape(&c).await;
+    let (more_samples, more_kinds) = parse_scrape(&precise);
+    samples.extend(more_samples);
+    kinds.extend(more_kinds);
     let used = used_names(&dashboard());
     // The names exactly as the dashboard writes them (so `_bucket` on a histogram, no suffix on a counter).
     for (name, places) in &used {

@@ -96,13 +96,19 @@ pub fn block_hashes(prompt: &Prompt, block: usize, out: &mut Vec<u64>) {
         }
         Prompt::Tokens(t) => {
             for chunk in t.chunks_exact(block) {
-                let mut hasher = Xxh3::with_seed(seed);
-                token_bytes(chunk, |bytes| hasher.update(bytes));
-                seed = hasher.digest();
+                seed = token_block_hash(seed, chunk);
                 out.push(seed);
             }
         }
     }
+}
+
+/// The chained hash of one block of token ids after the block hashed to `seed` (0 before the first block), as
+/// [`block_hashes`] computes it.
+pub fn token_block_hash(seed: u64, tokens: &[u32]) -> u64 {
+    let mut hasher = Xxh3::with_seed(seed);
+    token_bytes(tokens, |bytes| hasher.update(bytes));
+    hasher.digest()
 }
 
 #[cfg(test)]

@@ -123,6 +123,12 @@ impl<B> GuardedBody<B> {
         metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
         metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
         if let Some(ticket) = self.ticket.as_mut() {
+            // How far the policy's prediction of cached tokens was from the engine's report.
+            if let Some(prefill) = ticket.pick.prefill_tokens {
+                let predicted = ticket.request().input_tokens.saturating_sub(prefill);
+                metrics::histogram!(telemetry::PREDICTION_ERROR, "endpoint" => self.label.clone())
+                    .record(predicted.abs_diff(usage.cached_tokens) as f64);
+            }
             ticket.usage(usage);
         }
     }

@@ -68,7 +68,7 @@ impl RankField {
 }
 
 /// One upstream server.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Base URL, e.g. `http://10.0.0.5:30000`, or `https://…` (TLS; roots: `upstream_ca_file`).
@@ -91,6 +91,56 @@ pub struct WorkerConfig {
     /// `GET /v1/models` when it is added; a worker whose models stay unknown takes any model.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub models: Vec<String>,
+    /// Where the worker's engine publishes its KV cache events (`cache_aware`'s precise mode; `docs/gateway.md`,
+    /// "KV events"): one ZMQ endpoint, rank r at its port + r as the engines offset it, or one per rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<EventEndpoints>,
+    /// Where it serves replays of its recent events, the same way; without it, a gap in the events empties the
+    /// endpoint's index instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<EventEndpoints>,
+}
+
+/// ZMQ endpoints of a worker's ranks: `"tcp://host:port"` (rank r at port + r) or one per rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EventEndpoints {
+    Base(String),
+    PerRank(Vec<String>),
+}
+
+impl EventEndpoints {
+    /// Rank `rank`'s endpoint; `None` past a list's end or the last port.
+    pub fn for_rank(&self, rank: u32) -> Option<String> {
+        match self {
+            EventEndpoints::PerRank(list) => list.get(rank as usize).cloned(),
+            EventEndpoints::Base(base) => {
+                let (head, port) = base.rsplit_once(':')?;
+                let port = port.parse::<u32>().ok()? + rank;
+                (port <= 65_535).then(|| format!("{head}:{port}"))
+            }
+        }
+    }
+
+    fn validate(&self, url: &str, field: &str) -> Result<(), ConfigError> {
+        let list = match self {
+            EventEndpoints::Base(base) => std::slice::from_ref(base),
+            EventEndpoints::PerRank(list) => list.as_slice(),
+        };
+        for endpoint in list {
+            let port = endpoint
+                .strip_prefix("tcp://")
+                .and_then(|rest| rest.rsplit_once(':'))
+                .and_then(|(host, port)| (!host.is_empty()).then_some(port))
+                .and_then(|port| port.parse::<u16>().ok());
+            if port.is_none_or(|p| p == 0) {
+                return Err(ConfigError::Invalid(format!(
+                    "worker `{url}`: {field} `{endpoint}` must be tcp://host:port"
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Active and passive health checking.
@@ -446,6 +496,17 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
             w.url
         )));
     }
+    for (field, endpoints) in [("kv_events", &w.kv_events), ("kv_events_replay", &w.kv_events_replay)] {
+        if let Some(endpoints) = endpoints {
+            endpoints.validate(&w.url, field)?;
+        }
+    }
+    if w.kv_events_replay.is_some() && w.kv_events.is_none() {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: kv_events_replay needs kv_events",
+            w.url
+        )));
+    }
     if w.backend == Backend::Openai && w.dp_size.is_some_and(|n| n != 1) {
         return Err(ConfigError::Invalid(format!(
             "worker `{}`: an openai backend is one endpoint (dp_size 1)",
@@ -576,9 +637,7 @@ mod tests {
             url: "http://x:1".into(),
             backend: Backend::Vllm,
             dp_size: Some(MAX_DP_SIZE),
-            rank_field: RankField::default(),
-            kv_capacity_tokens: None,
-            models: Vec::new(),
+            ..WorkerConfig::default()
         }))
         .is_ok());
         // A config built in code (the command line's flags) gets the same checks.

@@ -10,6 +10,7 @@ pub mod clock;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod kv_events;
 pub mod listener;
 pub mod proxy;
 pub mod registry;

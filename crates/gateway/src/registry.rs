@@ -521,8 +521,7 @@ mod tests {
             backend: Backend::Sglang,
             dp_size: None,
             rank_field: RankField::RoutedDpRank,
-            kv_capacity_tokens: None,
-            models: Vec::new(),
+            ..WorkerConfig::default()
         }
     }
 

@@ -29,6 +29,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/workers", get(list_workers).post(add_worker))
         .route("/workers/{id}", delete(remove_worker))
         .route("/flush_cache", post(flush_cache))
+        .route("/kv_events", get(kv_events))
         .route_layer(middleware::from_fn_with_state(Arc::clone(&state), require_admin_key));
     let router = Router::new()
         .route("/v1/chat/completions", post(proxy::generate))
@@ -141,7 +142,8 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     telemetry::handle();
     let (stop, stopped) = watch::channel(false);
-    let tasks = health::spawn(Arc::clone(&state), stopped);
+    let mut tasks = health::spawn(Arc::clone(&state), stopped.clone());
+    tasks.extend(crate::kv_events::spawn(Arc::clone(&state), stopped));
     let config = state.config.server.clone();
     let tls = state.tls_acceptor.clone();
     let served = listener::run(listener, router(state), &config, tls, shutdown).await;
@@ -338,6 +340,19 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resul
         }
     }
     Err(failure.unwrap_or_else(|| dprouter_core::RouteError::NoHealthyEndpoint.into()))
+}
+
+/// `GET /kv_events`: each KV event feed's status (precise mode).
+async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let mut feeds: Vec<crate::kv_events::FeedStatus> = state
+        .kv_feeds
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    feeds.sort_by(|a, b| a.endpoint.cmp(&b.endpoint));
+    Json(json!({ "feeds": feeds }))
 }
 
 /// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.

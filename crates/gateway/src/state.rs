@@ -23,6 +23,8 @@ pub struct AppState {
     pub upstream: Upstream,
     /// TLS on the listener, when the config has a certificate.
     pub tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
+    /// Each KV event feed's status (precise mode).
+    pub kv_feeds: crate::kv_events::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
     pub responses: Arc<crate::responses::ResponseHomes>,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
@@ -67,6 +69,7 @@ impl AppState {
                 )),
                 _ => None,
             },
+            kv_feeds: Default::default(),
             responses: Arc::new(crate::responses::ResponseHomes::new(crate::responses::REMEMBERED)),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),

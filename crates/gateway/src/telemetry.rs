@@ -11,6 +11,9 @@
 //! | `dprouter_ttft_seconds` | histogram | `endpoint` (streaming responses: request received to first byte) |
 //! | `dprouter_request_duration_seconds` | histogram | `route` (request received to the end of the response body) |
 //! | `dprouter_prompt_tokens_total`, `dprouter_cached_tokens_total` | counter | `endpoint` (from engine usage reports; their ratio is the observed cache hit rate) |
+//! | `dprouter_cache_prediction_error_tokens` | histogram | `endpoint` (the policy's predicted cached tokens minus the engine's report, absolute) |
+//! | `dprouter_kv_event_batches_total` | counter | `endpoint` (KV event batches applied) |
+//! | `dprouter_kv_event_errors_total` | counter | `endpoint`, `kind` (`gap`, `restart`, `decode`, `orphan`, `overflow`, `replay`, `frames`) |
 
 use std::sync::OnceLock;
 
@@ -28,6 +31,9 @@ pub const TTFT: &str = "dprouter_ttft_seconds";
 pub const DURATION: &str = "dprouter_request_duration_seconds";
 pub const PROMPT_TOKENS: &str = "dprouter_prompt_tokens_total";
 pub const CACHED_TOKENS: &str = "dprouter_cached_tokens_total";
+pub const PREDICTION_ERROR: &str = "dprouter_cache_prediction_error_tokens";
+pub const KV_EVENT_BATCHES: &str = "dprouter_kv_event_batches_total";
+pub const KV_EVENT_ERRORS: &str = "dprouter_kv_event_errors_total";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -42,7 +48,12 @@ pub const ALL: &[&str] = &[
     DURATION,
     PROMPT_TOKENS,
     CACHED_TOKENS,
+    PREDICTION_ERROR,
+    KV_EVENT_BATCHES,
+    KV_EVENT_ERRORS,
 ];
+
+const TOKEN_BUCKETS: &[f64] = &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0];
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -56,6 +67,8 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
         .get_or_init(|| {
             let builder = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+                .ok()?
+                .set_buckets_for_metric(Matcher::Suffix("_tokens".into()), TOKEN_BUCKETS)
                 .ok()?;
             let recorder = builder.build_recorder();
             let handle = recorder.handle();

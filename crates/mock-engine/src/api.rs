@@ -106,6 +106,8 @@ async fn server_info(State(s): State<AppState>) -> Json<Value> {
         "api": match c.api { Api::Sglang => "sglang", Api::Vllm => "vllm" },
         "time_scale": c.time_scale,
         "cost": c.cost,
+        "kv_events_endpoints": s.engine.kv_endpoints.get().map(|b| b.iter().map(|(p, _)| p.clone()).collect::<Vec<_>>()),
+        "kv_events_replay_endpoints": s.engine.kv_endpoints.get().map(|b| b.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>()),
         "aborted_requests": s.engine.aborted(),
         "completed_requests": s.engine.completed(),
     }))

@@ -8,11 +8,16 @@
 //! [`crate::stall`]), and finally caches prompt + answer and releases the pin. Each request runs in its own task and
 //! sends [`Emit`] events to its HTTP response; when the response is dropped (the client went away) the task notices at
 //! its next wait, undoes its accounting and counts an abort, as SGLang aborts a disconnected request.
+//!
+//! With `kv_events` on, each rank's cache keeps its KV events, and every change to a rank's cache hands them, in
+//! order and while the cache is still locked, to that rank's event stream ([`Engine::take_event_streams`]), which
+//! [`crate::kv_publisher`] publishes.
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use dprouter_core::kv_events::KvEvent;
 use dprouter_core::policy::RoundRobin;
 use dprouter_core::{route, RouteRequest, Snapshot};
 use dprouter_sim::radix::{LockId, RadixCache};
@@ -62,6 +67,8 @@ pub struct EngineConfig {
     pub model: String,
     pub faults: Faults,
     pub seed: u64,
+    /// Keep each rank's KV cache events for a publisher.
+    pub kv_events: bool,
 }
 
 impl Default for EngineConfig {
@@ -74,6 +81,7 @@ impl Default for EngineConfig {
             model: "dprouter/mock".into(),
             faults: Faults::default(),
             seed: 0,
+            kv_events: false,
         }
     }
 }
@@ -111,6 +119,8 @@ pub struct RankLoad {
 
 struct Rank {
     cache: Mutex<RadixCache>,
+    /// Where the cache's events go, with `kv_events`.
+    events: Option<mpsc::UnboundedSender<Vec<KvEvent>>>,
     prefill: tokio::sync::Mutex<()>,
     waiting: AtomicU64,
     running: AtomicU64,
@@ -126,6 +136,51 @@ pub struct Engine {
     aborted: AtomicU64,
     completed: AtomicU64,
     stall: DecodeStall,
+    /// The ranks' event streams, until a publisher takes them.
+    event_streams: Mutex<Vec<mpsc::UnboundedReceiver<Vec<KvEvent>>>>,
+    /// Where each rank publishes its events and serves their replay, once a publisher has bound them.
+    pub kv_endpoints: std::sync::OnceLock<Vec<(String, Option<String>)>>,
+}
+
+/// A rank's cache, locked; its new events go to the rank's stream when the lock is released.
+struct CacheGuard<'a> {
+    cache: MutexGuard<'a, RadixCache>,
+    events: Option<&'a mpsc::UnboundedSender<Vec<KvEvent>>>,
+}
+
+impl std::ops::Deref for CacheGuard<'_> {
+    type Target = RadixCache;
+    fn deref(&self) -> &RadixCache {
+        &self.cache
+    }
+}
+
+impl std::ops::DerefMut for CacheGuard<'_> {
+    fn deref_mut(&mut self) -> &mut RadixCache {
+        &mut self.cache
+    }
+}
+
+impl Drop for CacheGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(events) = self.events {
+            let new = self.cache.take_events();
+            if !new.is_empty() {
+                // Sent before the cache's lock is released, so the stream keeps the cache's order. A publisher
+                // that went away loses them.
+                let _ = events.send(new);
+            }
+        }
+    }
+}
+
+impl Rank {
+    fn cache(&self) -> CacheGuard<'_> {
+        CacheGuard {
+            cache: lock(&self.cache),
+            events: self.events.as_ref(),
+        }
+    }
 }
 
 /// A request the engine took: its rank, and its number, which names its fault draws.
@@ -154,9 +209,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Engine {
     pub fn new(config: EngineConfig) -> Arc<Self> {
+        let mut streams = Vec::new();
         let ranks = (0..config.dp_size)
             .map(|_| Rank {
-                cache: Mutex::new(RadixCache::new(config.cost.kv_capacity, config.cost.page_size)),
+                cache: Mutex::new(if config.kv_events {
+                    RadixCache::with_events(config.cost.kv_capacity, config.cost.page_size)
+                } else {
+                    RadixCache::new(config.cost.kv_capacity, config.cost.page_size)
+                }),
+                events: config.kv_events.then(|| {
+                    let (tx, rx) = mpsc::unbounded_channel();
+                    streams.push(rx);
+                    tx
+                }),
                 prefill: tokio::sync::Mutex::new(()),
                 waiting: AtomicU64::new(0),
                 running: AtomicU64::new(0),
@@ -173,8 +238,15 @@ impl Engine {
             aborted: AtomicU64::new(0),
             completed: AtomicU64::new(0),
             stall: DecodeStall::new(config.cost.prefill_stalls_decode),
+            event_streams: Mutex::new(streams),
+            kv_endpoints: std::sync::OnceLock::new(),
             config,
         })
+    }
+
+    /// Each rank's stream of KV events, in rank order (empty without `kv_events`, or once taken).
+    pub fn take_event_streams(&self) -> Vec<mpsc::UnboundedReceiver<Vec<KvEvent>>> {
+        std::mem::take(&mut *lock(&self.event_streams))
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -198,7 +270,7 @@ impl Engine {
                 RankLoad {
                     running: r.running.load(Relaxed),
                     waiting: r.waiting.load(Relaxed),
-                    used_tokens: lock(&r.cache).locked_size() as u64 + pending,
+                    used_tokens: r.cache().locked_size() as u64 + pending,
                     pending_tokens: pending,
                 }
             })
@@ -208,7 +280,7 @@ impl Engine {
     /// Evicts every unpinned cached token on every rank.
     pub fn flush_cache(&self) {
         for r in &self.ranks {
-            lock(&r.cache).flush();
+            r.cache().flush();
         }
     }
 
@@ -291,7 +363,7 @@ impl Engine {
         };
         slot.start_prefill();
         let cached = {
-            let mut cache = lock(&r.cache);
+            let mut cache = r.cache();
             let cached = cache.match_prefix(&tokens);
             slot.pin = Some(cache.lock(&tokens, cached));
             cached
@@ -301,7 +373,7 @@ impl Engine {
             return;
         }
         {
-            let mut cache = lock(&r.cache);
+            let mut cache = r.cache();
             cache.insert(&tokens);
             let pin = cache.lock(&tokens, tokens.len());
             if let Some(old) = slot.pin.replace(pin) {
@@ -353,7 +425,7 @@ impl Engine {
         let mut answer = tokens;
         answer.extend((0..u64::from(max_new_tokens)).map(|i| output_token(seed, i)));
         {
-            let mut cache = lock(&r.cache);
+            let mut cache = r.cache();
             cache.insert(&answer);
             if let Some(pin) = slot.pin.take() {
                 cache.unlock(pin);
@@ -450,7 +522,7 @@ impl Drop for Slot {
             }
         }
         if let Some(pin) = self.pin.take() {
-            lock(&r.cache).unlock(pin);
+            r.cache().unlock(pin);
         }
         self.engine.aborted.fetch_add(1, Relaxed);
     }

@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 
 pub mod api;
 pub mod engine;
+pub mod kv_publisher;
 pub mod responses;
 pub mod stall;
 pub mod tokenizer;

@@ -17,6 +17,13 @@
 //! Splitting keeps the original node id for the lower part, so a [`LockId`], which names the node where its path
 //! ends, stays valid.
 //!
+//! # Events
+//! A cache made with [`RadixCache::with_events`] also keeps what an engine publishes as KV events
+//! ([`dprouter_core::kv_events`]), for [`RadixCache::take_events`]: each page has a chained hash (of its tokens and
+//! the page before it), an insert is one `BlockStored` of its new pages (their parent is the page before them), and
+//! every page cut off by eviction or a flush is in a `BlockRemoved`. The hashes are the mock engine's own, opaque
+//! to a router, as an engine's are.
+//!
 //! # Cost per operation
 //! With `L` the prompt length, `d` the depth of the path and `n` the number of nodes:
 //! - `match_prefix`, `insert`, `lock`: O(L) token comparisons (slice compares) plus O(d) hash look-ups, plus
@@ -25,6 +32,9 @@
 //! - memory: O(cached tokens + n).
 
 use std::collections::{BTreeSet, HashMap};
+
+use dprouter_core::hashing::token_block_hash;
+use dprouter_core::kv_events::KvEvent;
 
 const ROOT: usize = 0;
 
@@ -35,6 +45,8 @@ pub struct LockId(u64);
 #[derive(Debug, Default)]
 struct Node {
     label: Vec<u32>,
+    /// With events: the chained hash of each page of the label.
+    hashes: Vec<u64>,
     parent: usize,
     /// Keyed on the first page of the child's label.
     children: HashMap<Box<[u32]>, usize>,
@@ -59,6 +71,13 @@ pub struct RadixCache {
     size: usize,
     locked_size: usize,
     live_nodes: usize,
+    /// With events: the events not taken yet (`None`: none kept).
+    events: Option<Vec<KvEvent>>,
+}
+
+/// An engine page's hash: its tokens chained after the page before it (seeded apart from the router's hashes).
+fn page_hash(parent: Option<u64>, page: &[u32]) -> u64 {
+    token_block_hash(parent.unwrap_or(0) ^ 0x9e37_79b9_7f4a_7c15, page)
 }
 
 /// Length of the common prefix of `a` and `b`.
@@ -90,6 +109,67 @@ impl RadixCache {
             size: 0,
             locked_size: 0,
             live_nodes: 0,
+            events: None,
+        }
+    }
+
+    /// A cache that also keeps its KV events (see the module documentation).
+    pub fn with_events(capacity_tokens: usize, page_size: usize) -> Self {
+        Self {
+            events: Some(Vec::new()),
+            ..Self::new(capacity_tokens, page_size)
+        }
+    }
+
+    /// The events since the last call, oldest first (none without [`Self::with_events`]).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Records `node`'s new pages `rest` (appended to its label) as stored, after the page before them.
+    fn stored(&mut self, node: usize, rest: &[u32]) {
+        if self.events.is_none() || rest.is_empty() {
+            return;
+        }
+        let parent = match self.nodes[node].hashes.last() {
+            Some(&h) => Some(h),
+            None => self.last_hash(self.nodes[node].parent),
+        };
+        let mut hashes = Vec::with_capacity(rest.len() / self.page);
+        let mut before = parent;
+        for page in rest.chunks(self.page) {
+            let h = page_hash(before, page);
+            hashes.push(h);
+            before = Some(h);
+        }
+        self.nodes[node].hashes.extend_from_slice(&hashes);
+        if let Some(events) = self.events.as_mut() {
+            events.push(KvEvent::Stored {
+                hashes,
+                parent,
+                tokens: rest.to_vec(),
+                block_size: self.page as u32,
+                medium: None,
+                plain: true,
+            });
+        }
+    }
+
+    /// The hash of the last page of `node` (`None` at the root).
+    fn last_hash(&self, node: usize) -> Option<u64> {
+        if node == ROOT {
+            return None;
+        }
+        self.nodes[node].hashes.last().copied()
+    }
+
+    fn removed(&mut self, hashes: Vec<u64>) {
+        if let (Some(events), false) = (self.events.as_mut(), hashes.is_empty()) {
+            events.push(KvEvent::Removed {
+                hashes,
+                medium: None,
+                plain: true,
+            });
         }
     }
 
@@ -128,6 +208,7 @@ impl RadixCache {
             } else {
                 node = self.add_child(node, rest);
             }
+            self.stored(node, rest);
             self.size += rest.len();
         }
         self.touch_path(node, self.clock);
@@ -250,9 +331,16 @@ impl RadixCache {
     /// lock count and tick; `id` keeps the lower part. Returns the new node.
     fn split(&mut self, id: usize, at: usize) -> usize {
         let upper = self.alloc();
+        let page = self.page;
         let node = &mut self.nodes[id];
         let lower_label = node.label.split_off(at);
         let label = std::mem::replace(&mut node.label, lower_label);
+        let upper_hashes = if node.hashes.is_empty() {
+            Vec::new()
+        } else {
+            let lower_hashes = node.hashes.split_off(at / page);
+            std::mem::replace(&mut node.hashes, lower_hashes)
+        };
         let (parent, lock_ref, tick) = (node.parent, node.lock_ref, node.tick);
         node.parent = upper;
         let lower_key: Box<[u32]> = node.label[..self.page].into();
@@ -261,6 +349,7 @@ impl RadixCache {
         }
         self.nodes[upper] = Node {
             label,
+            hashes: upper_hashes,
             parent,
             children: HashMap::from([(lower_key, id)]),
             lock_ref,
@@ -276,6 +365,7 @@ impl RadixCache {
         self.nodes[parent].children.insert(label[..self.page].into(), id);
         self.nodes[id] = Node {
             label: label.to_vec(),
+            hashes: Vec::new(),
             parent,
             children: HashMap::new(),
             lock_ref: 0,
@@ -337,9 +427,13 @@ impl RadixCache {
                     label.shrink_to_fit();
                 }
                 self.size -= excess;
+                let hashes = &mut self.nodes[id].hashes;
+                let cut = hashes.split_off(((len - excess) / self.page).min(hashes.len()));
+                self.removed(cut);
             } else {
                 self.evictable.remove(&(tick, id));
-                let node = std::mem::take(&mut self.nodes[id]);
+                let mut node = std::mem::take(&mut self.nodes[id]);
+                self.removed(std::mem::take(&mut node.hashes));
                 self.nodes[node.parent].children.remove(&node.label[..self.page]);
                 self.size -= len;
                 self.live_nodes -= 1;
@@ -672,8 +766,13 @@ mod tests {
         prop::collection::vec(op, 1..60)
     }
 
-    fn agrees(page: usize, capacity: usize, ops: Vec<Op>) -> Result<(), TestCaseError> {
-        let mut radix = RadixCache::new(capacity, page);
+    /// Runs `ops` on the cache and on a naive model and compares them after each; the cache's KV events, followed
+    /// into router blocks of `router` tokens, must say exactly which router blocks it holds.
+    fn agrees(page: usize, capacity: usize, ops: Vec<Op>, router: usize) -> Result<(), TestCaseError> {
+        use dprouter_core::engine_blocks::{CacheChange, EngineBlocks};
+        let mut radix = RadixCache::with_events(capacity, page);
+        let mut followed = EngineBlocks::new(router, usize::MAX);
+        let mut held = std::collections::HashSet::new();
         let mut naive = Naive {
             map: BTreeMap::new(),
             locks: Vec::new(),
@@ -711,6 +810,31 @@ mod tests {
                 }
             }
             radix.check_invariants();
+            for event in radix.take_events() {
+                match followed.apply(&event) {
+                    Ok(Some(CacheChange::Stored(h))) => held.extend(h),
+                    Ok(Some(CacheChange::Removed(h))) => h.iter().for_each(|h| {
+                        held.remove(h);
+                    }),
+                    Ok(_) => {}
+                    Err(e) => prop_assert!(false, "{e}: {event:?}"),
+                }
+            }
+            // Every router block within a cached prefix.
+            let expected: std::collections::HashSet<u64> = radix
+                .snapshot()
+                .keys()
+                .flat_map(|prefix| {
+                    let mut out = Vec::new();
+                    dprouter_core::hashing::block_hashes(
+                        &dprouter_core::Prompt::Tokens(prefix.clone()),
+                        router,
+                        &mut out,
+                    );
+                    out
+                })
+                .collect();
+            prop_assert_eq!(&held, &expected);
             prop_assert_eq!(radix.snapshot(), naive.map.clone());
             prop_assert_eq!(radix.size(), naive.map.len() * page);
             prop_assert_eq!(radix.locked_size(), naive.locked_size());
@@ -725,13 +849,13 @@ mod tests {
         #![proptest_config(ProptestConfig::with_cases(512))]
 
         #[test]
-        fn agrees_with_naive_model(capacity in 5usize..40, ops in ops(3, 12)) {
-            agrees(1, capacity, ops)?;
+        fn agrees_with_naive_model(capacity in 5usize..40, ops in ops(3, 12), router in 1usize..5) {
+            agrees(1, capacity, ops, router)?;
         }
 
         #[test]
-        fn agrees_with_naive_model_paged(page in 2usize..4, capacity in 0usize..40, ops in ops(2, 16)) {
-            agrees(page, capacity, ops)?;
+        fn agrees_with_naive_model_paged(page in 2usize..4, capacity in 0usize..40, ops in ops(2, 16), router in 1usize..7) {
+            agrees(page, capacity, ops, router)?;
         }
     }
 }

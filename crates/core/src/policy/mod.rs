@@ -232,6 +232,11 @@ pub trait Policy: Send + Sync {
     /// The request never reached `endpoint` (its connection was refused) and is routed again: `endpoint` did not
     /// get its prompt.
     fn retract(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
+
+    /// What `endpoint`'s engine reported of its own cache: its KV events, followed into the router's block hashes
+    /// ([`crate::engine_blocks`]), at `now_us` on the requests' clock. Only `cache_aware` keeps an index to apply
+    /// it to (its precise mode); the other policies ignore it.
+    fn engine_cache(&self, _endpoint: EndpointId, _change: &crate::engine_blocks::CacheChange, _now_us: u64) {}
 }
 
 /// One decision: the override if the client gave one (range- and health-checked against the snapshot, never

@@ -53,6 +53,9 @@
 //! once per correction, never while hashing. Cost per request: O(prompt) hashing, O(blocks × holders) look-ups, O(healthy endpoints) to compare
 //! predictions; memory O(Σ capacity in blocks), ~50 bytes a block, see [`CacheAware::index_stats`].
 //!
+//! Precise mode ([`events`]): an endpoint whose engine publishes its KV events has its index entries from them,
+//! what the engine says it holds, with its own decisions as short-lived entries until the events confirm them.
+//!
 //! References: SGLang's router `cache_aware` policy (an approximate radix tree per worker, with balance
 //! thresholds); Mooncake's KVCache-centric scheduler (FAST'25), which also picks the prefill instance by predicted
 //! TTFT from prefix-match length and queue.
@@ -68,6 +71,8 @@ use crate::error::RouteError;
 use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
 use crate::policy::{Branch, Candidates, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
+
+mod events;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -89,6 +94,9 @@ pub struct CacheAwareConfig {
     /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
     /// compares the plain predicted TTFT.
     pub congestion_weight: f64,
+    /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
+    /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
+    pub event_grace_ms: u64,
 }
 
 impl Default for CacheAwareConfig {
@@ -102,6 +110,7 @@ impl Default for CacheAwareConfig {
             correct_on_feedback: true,
             prefill_progress: true,
             congestion_weight: 1.0,
+            event_grace_ms: 10_000,
         }
     }
 }
@@ -126,6 +135,8 @@ struct State {
     /// The newest generation seen: capacities and membership follow it alone.
     newest: u64,
     slot_of_rank: Vec<usize>,
+    /// Precise mode's bookkeeping, per slot.
+    events: events::EventState,
 }
 
 #[derive(Debug, Default)]
@@ -286,6 +297,7 @@ impl Policy for CacheAware {
         // One lock for the look-up, the choice and the record of where the prompt went.
         let mut state = self.lock();
         self.sync(&mut state, snap);
+        state.expire_unconfirmed(req.now_us);
         let mut lens = vec![0u32; state.index.slot_count()];
         state.index.match_lengths(hashes, &mut lens);
         let blocks_at = |r: usize| lens[state.slot_of_rank[r]] as usize;
@@ -329,6 +341,7 @@ impl Policy for CacheAware {
         if !hashes.is_empty() {
             let slot = state.slot_of_rank[rank];
             state.index.record(slot, hashes);
+            state.provisional(slot, hashes, req.now_us + self.config.event_grace_ms * 1000);
         }
         let branch = match (best_match, blocks) {
             (0, _) => Branch::Cold,
@@ -338,7 +351,7 @@ impl Policy for CacheAware {
         Ok(Pick::new(rank, branch).with_prefill(uncached))
     }
 
-    fn pinned(&self, snap: &Snapshot, _req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
+    fn pinned(&self, snap: &Snapshot, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
         let mut state = self.lock();
         self.sync(&mut state, snap);
         if let Some(&slot) = state
@@ -347,6 +360,8 @@ impl Policy for CacheAware {
             .filter(|_| !prepared.block_hashes.is_empty())
         {
             state.index.record(slot, &prepared.block_hashes);
+            let expires = req.now_us + self.config.event_grace_ms * 1000;
+            state.provisional(slot, &prepared.block_hashes, expires);
         }
     }
 
@@ -356,6 +371,10 @@ impl Policy for CacheAware {
         if self.config.correct_on_feedback && cached_tokens < predicted {
             self.forget_past(endpoint, req, prepared, cached_tokens);
         }
+    }
+
+    fn engine_cache(&self, endpoint: EndpointId, change: &crate::engine_blocks::CacheChange, now_us: u64) {
+        self.apply_engine_cache(endpoint, change, now_us);
     }
 
     fn retract(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {

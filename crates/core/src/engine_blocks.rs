@@ -1,0 +1,347 @@
+//! One engine endpoint's cache as its KV events tell it, turned into the router's own block hashes.
+//!
+//! Engines name their blocks with hashes of their own (vLLM's depend on its hash algorithm and seed; SGLang hashes
+//! pages of one token), which a router cannot compute from a prompt. But a `BlockStored` event carries its blocks'
+//! token ids and the block before them, so the router can follow each stored sequence and compute the chained
+//! hashes it uses itself: [`crate::hashing::block_hashes`] of the same tokens, in blocks of the router's size,
+//! whatever the engine's block size (SGLang's single-token pages are gathered into router blocks). For every
+//! engine block it keeps where that sequence stands at the block's end: the router hash of the last whole router
+//! block, and the tokens after it (a window into the event's tokens, shared by the blocks stored together), so a
+//! later event that continues from this block picks the chain up there. A router block belongs to the engine
+//! block its last token is in, and the endpoint holds it while at least one such engine block is held: when engine
+//! blocks do not end on router boundaries, sibling engine blocks (one prefix, then different tokens) can both
+//! complete the same router block, so each router block counts its engine blocks.
+//!
+//! What is not followed: events of other media than the GPU (`"CPU"`, disk: each medium removes its own copies
+//! with the same hashes), and blocks of LoRA adapters or of a hybrid model's other cache groups (the router's keys
+//! do not describe them). A `BlockStored` whose parent was never seen (the subscriber started late, or missed
+//! events) cannot be followed: it is an [`Orphan`] error, which the caller answers by replaying or starting over.
+//!
+//! Cost: O(tokens) hashing per stored event, O(1) per removed block. Memory: about 60 bytes per engine block plus
+//! 4 bytes per token of the events still referenced (SGLang's one-token pages make that about 64 bytes per cached
+//! token: 25 MB for a 400,000-token rank), bounded by `max_blocks`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::hashing::token_block_hash;
+use crate::kv_events::{EngineHash, KvEvent};
+
+/// What the router's index must do for an endpoint after an event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheChange {
+    /// The endpoint now holds these router blocks: one sequence's, in order.
+    Stored(Vec<u64>),
+    /// It no longer holds these.
+    Removed(Vec<u64>),
+    /// It holds nothing.
+    Cleared,
+    /// Its events stopped or cannot be followed: what the index holds for it is the router's guess again.
+    Untracked,
+}
+
+/// Why an event could not be followed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum FollowError {
+    #[error("a stored block's parent was never seen")]
+    Orphan,
+    #[error("more than {0} engine blocks are followed")]
+    TooMany(usize),
+}
+
+/// Where a stored sequence stands at the end of one engine block.
+#[derive(Debug, Clone)]
+struct Point {
+    /// The router hash of the last whole router block ending at or before this block's end (0: none).
+    seed: u64,
+    /// Tokens from the start of the sequence to this block's end.
+    end: u64,
+    /// Tokens of the sequence from `run_start` on, shared by the blocks stored with this one; this block's tokens
+    /// since its last router boundary are among them.
+    run: Arc<[u32]>,
+    run_start: u64,
+    /// Router blocks whose last token is in this engine block.
+    completed: Box<[u64]>,
+}
+
+/// One endpoint's engine blocks, followed (see the module documentation).
+#[derive(Debug)]
+pub struct EngineBlocks {
+    /// The router's block size, tokens.
+    block: u64,
+    points: HashMap<EngineHash, Point>,
+    /// Router blocks held, with how many engine blocks complete each.
+    held: HashMap<u64, u32>,
+    max_blocks: usize,
+}
+
+impl EngineBlocks {
+    /// Follows an endpoint's events into router blocks of `block_tokens`, for at most `max_blocks` engine blocks.
+    pub fn new(block_tokens: usize, max_blocks: usize) -> Self {
+        Self {
+            block: block_tokens.max(1) as u64,
+            points: HashMap::new(),
+            held: HashMap::new(),
+            max_blocks,
+        }
+    }
+
+    /// Engine blocks followed.
+    pub fn len(&self) -> usize {
+        self.points.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.points.is_empty()
+    }
+
+    /// Router blocks the endpoint holds, as its events tell.
+    pub fn router_blocks(&self) -> usize {
+        self.held.len()
+    }
+
+    /// Applies one event; returns what the router's index must do (`None`: nothing, e.g. another medium's event).
+    pub fn apply(&mut self, event: &KvEvent) -> Result<Option<CacheChange>, FollowError> {
+        match event {
+            KvEvent::Stored {
+                hashes,
+                parent,
+                tokens,
+                block_size,
+                medium,
+                plain,
+            } => {
+                if !plain || !on_gpu(medium.as_deref()) {
+                    return Ok(None);
+                }
+                let stored = self.stored(hashes, *parent, tokens, *block_size as usize)?;
+                Ok((!stored.is_empty()).then_some(CacheChange::Stored(stored)))
+            }
+            KvEvent::Removed { hashes, medium, plain } => {
+                if !plain || !on_gpu(medium.as_deref()) {
+                    return Ok(None);
+                }
+                let mut removed = Vec::new();
+                for point in hashes.iter().filter_map(|h| self.points.remove(h)) {
+                    for &h in point.completed.iter() {
+                        if let Some(count) = self.held.get_mut(&h) {
+                            *count -= 1;
+                            if *count == 0 {
+                                self.held.remove(&h);
+                                removed.push(h);
+                            }
+                        }
+                    }
+                }
+                Ok((!removed.is_empty()).then_some(CacheChange::Removed(removed)))
+            }
+            KvEvent::Cleared => {
+                self.clear();
+                Ok(Some(CacheChange::Cleared))
+            }
+        }
+    }
+
+    /// Forgets everything (the engine restarted, or the events can no longer be trusted).
+    pub fn clear(&mut self) {
+        self.points.clear();
+        self.held.clear();
+    }
+
+    fn stored(
+        &mut self,
+        hashes: &[EngineHash],
+        parent: Option<EngineHash>,
+        tokens: &[u32],
+        block_size: usize,
+    ) -> Result<Vec<u64>, FollowError> {
+        let (mut seed, start, carried): (u64, u64, &[u32]) = match parent {
+            None => (0, 0, &[]),
+            Some(parent) => {
+                let p = self.points.get(&parent).ok_or(FollowError::Orphan)?;
+                let boundary = p.end - p.end % self.block;
+                let from = (boundary - p.run_start) as usize;
+                let to = (p.end - p.run_start) as usize;
+                (p.seed, p.end, &p.run[from..to])
+            }
+        };
+        let blocks = hashes.len().min(tokens.len() / block_size.max(1));
+        if self.points.len() + blocks > self.max_blocks {
+            return Err(FollowError::TooMany(self.max_blocks));
+        }
+        let run_start = start - carried.len() as u64;
+        let mut run = Vec::with_capacity(carried.len() + blocks * block_size);
+        run.extend_from_slice(carried);
+        run.extend_from_slice(&tokens[..blocks * block_size]);
+        let run: Arc<[u32]> = run.into();
+        let mut boundary = run_start;
+        let mut stored = Vec::new();
+        for (i, &hash) in hashes[..blocks].iter().enumerate() {
+            let end = start + ((i + 1) * block_size) as u64;
+            let first = stored.len();
+            while boundary + self.block <= end {
+                let from = (boundary - run_start) as usize;
+                seed = token_block_hash(seed, &run[from..from + self.block as usize]);
+                stored.push(seed);
+                boundary += self.block;
+            }
+            let point = Point {
+                seed,
+                end,
+                run: Arc::clone(&run),
+                run_start,
+                completed: stored[first..].into(),
+            };
+            for &h in &stored[first..] {
+                *self.held.entry(h).or_insert(0) += 1;
+            }
+            // The same engine block stored again (an engine that re-announces it): it completes its router
+            // blocks once.
+            if let Some(old) = self.points.insert(hash, point) {
+                for h in old.completed.iter() {
+                    if let Some(count) = self.held.get_mut(h) {
+                        *count = count.saturating_sub(1).max(1);
+                    }
+                }
+            }
+        }
+        Ok(stored)
+    }
+}
+
+/// Events that say nothing of their medium are the GPU's (engines without offloading).
+fn on_gpu(medium: Option<&str>) -> bool {
+    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hashing::block_hashes;
+    use crate::request::Prompt;
+    use proptest::prelude::*;
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) -> KvEvent {
+        KvEvent::Stored {
+            hashes: hashes.to_vec(),
+            parent,
+            tokens: tokens.to_vec(),
+            block_size,
+            medium: None,
+            plain: true,
+        }
+    }
+
+    fn removed(hashes: &[u64]) -> KvEvent {
+        KvEvent::Removed {
+            hashes: hashes.to_vec(),
+            medium: Some("GPU".into()),
+            plain: true,
+        }
+    }
+
+    fn router_blocks(tokens: &[u32], block: usize) -> Vec<u64> {
+        let mut out = Vec::new();
+        block_hashes(&Prompt::Tokens(tokens.to_vec()), block, &mut out);
+        out
+    }
+
+    #[test]
+    fn one_token_pages_gather_into_router_blocks() {
+        // SGLang with page size 1: ten tokens in one event, then three more continuing from the tenth.
+        let tokens: Vec<u32> = (100..113).collect();
+        let mut blocks = EngineBlocks::new(4, 1000);
+        let first = blocks.apply(&stored(&(0..10).collect::<Vec<_>>(), None, &tokens[..10], 1));
+        let expected = router_blocks(&tokens, 4);
+        assert_eq!(first, Ok(Some(CacheChange::Stored(expected[..2].to_vec()))));
+        let next = blocks.apply(&stored(&[10, 11, 12], Some(9), &tokens[10..], 1));
+        assert_eq!(next, Ok(Some(CacheChange::Stored(expected[2..3].to_vec()))));
+        // Removing the page that completed the third router block removes it; a page in the middle of a router
+        // block removes nothing (no router block ends there).
+        assert_eq!(
+            blocks.apply(&removed(&[11])),
+            Ok(Some(CacheChange::Removed(vec![expected[2]])))
+        );
+        assert_eq!(blocks.apply(&removed(&[9, 999])), Ok(None));
+        assert_eq!(
+            blocks.apply(&removed(&[7])),
+            Ok(Some(CacheChange::Removed(vec![expected[1]])))
+        );
+    }
+
+    #[test]
+    fn large_engine_blocks_complete_several_router_blocks() {
+        let tokens: Vec<u32> = (0..48).collect();
+        let mut blocks = EngineBlocks::new(8, 1000);
+        let expected = router_blocks(&tokens, 8);
+        let got = blocks.apply(&stored(&[1, 2], None, &tokens[..32], 16)).unwrap();
+        assert_eq!(got, Some(CacheChange::Stored(expected[..4].to_vec())));
+        assert_eq!(
+            blocks.apply(&removed(&[2])),
+            Ok(Some(CacheChange::Removed(expected[2..4].to_vec())))
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_followed_is_said() {
+        let mut blocks = EngineBlocks::new(4, 3);
+        assert_eq!(
+            blocks.apply(&stored(&[1], Some(77), &[1, 2, 3, 4], 4)),
+            Err(FollowError::Orphan)
+        );
+        assert_eq!(
+            blocks.apply(&stored(&[1, 2, 3, 4], None, &[0; 16], 4)),
+            Err(FollowError::TooMany(3))
+        );
+        let cpu = KvEvent::Stored {
+            hashes: vec![1],
+            parent: None,
+            tokens: vec![1, 2, 3, 4],
+            block_size: 4,
+            medium: Some("CPU".into()),
+            plain: true,
+        };
+        assert_eq!(blocks.apply(&cpu), Ok(None), "another medium's copy");
+        assert!(blocks.is_empty());
+        // Fewer tokens than blocks: only the whole blocks are followed.
+        assert!(blocks.apply(&stored(&[1, 2], None, &[1, 2, 3, 4, 5], 4)).is_ok());
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(blocks.apply(&KvEvent::Cleared), Ok(Some(CacheChange::Cleared)));
+        assert!(blocks.is_empty());
+    }
+
+    proptest! {
+        /// A sequence stored in events of any sizes, with any engine and router block sizes, gives exactly the
+        /// router blocks a prompt of the same tokens hashes to.
+        #[test]
+        fn any_split_gives_the_prompts_blocks(
+            len in 0usize..300,
+            engine in 1usize..20,
+            router in 1usize..40,
+            cuts in proptest::collection::vec(1usize..60, 1..10),
+        ) {
+            let tokens: Vec<u32> = (0..len as u32).map(|i| i.wrapping_mul(2_654_435_761) >> 8).collect();
+            let whole = len / engine;
+            let mut blocks = EngineBlocks::new(router, usize::MAX);
+            let mut got = Vec::new();
+            let (mut done, mut next_hash, mut parent) = (0usize, 1000u64, None);
+            for cut in cuts.iter().cycle() {
+                if done == whole {
+                    break;
+                }
+                let n = (*cut).min(whole - done);
+                let hashes: Vec<u64> = (next_hash..next_hash + n as u64).collect();
+                let change = blocks
+                    .apply(&stored(&hashes, parent, &tokens[done * engine..(done + n) * engine], engine as u32))
+                    .unwrap();
+                if let Some(CacheChange::Stored(h)) = change {
+                    got.extend(h);
+                }
+                parent = hashes.last().copied();
+                next_hash += n as u64;
+                done += n;
+            }
+            prop_assert_eq!(got, router_blocks(&tokens[..whole * engine], router));
+        }
+    }
+}

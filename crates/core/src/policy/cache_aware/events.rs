@@ -1,0 +1,236 @@
+//! `cache_aware`'s precise mode: an endpoint whose engine publishes KV events has its index entries from them.
+//!
+//! The gateway follows each such endpoint's events into the router's block hashes
+//! ([`crate::engine_blocks`]) and hands the changes to [`crate::policy::Policy::engine_cache`]: stored blocks are recorded (and
+//! count as *confirmed*), removed ones forgotten, a clear empties the endpoint. The endpoint is then *precise*:
+//! the blocks of a request routed there are recorded at once, as in approximate mode (a burst of requests on one
+//! prefix must see where the first went before any event can say so), but only for `event_grace_ms`: when that
+//! has passed, those the events have not confirmed by then are forgotten (the engine did not keep them: the
+//! request failed, was cancelled, or was evicted before it finished). An endpoint whose events stop or break
+//! ([`CacheChange::Untracked`]) is approximate again: its entries stay, and its decisions are no longer
+//! provisional.
+//!
+//! Cost: one hash-set insert or removal per stored or removed block; per decision at a precise endpoint, a copy
+//! of its block hashes until it expires, and one set look-up per block then. Expired decisions are swept at the
+//! next decision.
+
+use std::collections::{HashSet, VecDeque};
+
+use crate::endpoint::EndpointId;
+use crate::engine_blocks::CacheChange;
+use crate::hashing::PassThroughBuild;
+
+use super::{CacheAware, State};
+
+/// Precise mode's bookkeeping.
+#[derive(Debug, Default)]
+pub(super) struct EventState {
+    /// Per slot: the router blocks its engine's events say it holds; `None` while the slot is approximate.
+    confirmed: Vec<Option<HashSet<u64, PassThroughBuild>>>,
+    /// Decisions at precise slots, oldest first.
+    pending: VecDeque<Pending>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    expires_us: u64,
+    slot: usize,
+    hashes: Box<[u64]>,
+}
+
+impl EventState {
+    fn confirmed(&self, slot: usize) -> Option<&HashSet<u64, PassThroughBuild>> {
+        self.confirmed.get(slot).and_then(Option::as_ref)
+    }
+
+    fn confirmed_mut(&mut self, slot: usize) -> &mut HashSet<u64, PassThroughBuild> {
+        if self.confirmed.len() <= slot {
+            self.confirmed.resize_with(slot + 1, || None);
+        }
+        self.confirmed[slot].get_or_insert_with(HashSet::default)
+    }
+}
+
+impl State {
+    /// A decision recorded `hashes` at `slot`: provisional there until `expires_us` if the slot is precise.
+    pub(super) fn provisional(&mut self, slot: usize, hashes: &[u64], expires_us: u64) {
+        let Some(confirmed) = self.events.confirmed(slot) else {
+            return;
+        };
+        if hashes.iter().all(|h| confirmed.contains(h)) {
+            return;
+        }
+        self.events.pending.push_back(Pending {
+            expires_us,
+            slot,
+            hashes: hashes.into(),
+        });
+    }
+
+    /// Forgets the blocks of decisions whose grace has passed by `now_us` that the events did not confirm.
+    pub(super) fn expire_unconfirmed(&mut self, now_us: u64) {
+        while self.events.pending.front().is_some_and(|p| p.expires_us <= now_us) {
+            let Some(p) = self.events.pending.pop_front() else {
+                break;
+            };
+            let Some(confirmed) = self.events.confirmed(p.slot) else {
+                continue;
+            };
+            let unconfirmed: Vec<u64> = p.hashes.iter().copied().filter(|h| !confirmed.contains(h)).collect();
+            self.index.forget_from(p.slot, &unconfirmed, 0);
+        }
+    }
+
+    fn apply(&mut self, slot: usize, change: &CacheChange) {
+        match change {
+            CacheChange::Stored(hashes) => {
+                self.index.record(slot, hashes);
+                self.events.confirmed_mut(slot).extend(hashes.iter().copied());
+            }
+            CacheChange::Removed(hashes) => {
+                self.index.forget_from(slot, hashes, 0);
+                let confirmed = self.events.confirmed_mut(slot);
+                for h in hashes {
+                    confirmed.remove(h);
+                }
+            }
+            CacheChange::Cleared => {
+                self.index.clear_slot(slot);
+                self.events.confirmed_mut(slot).clear();
+            }
+            CacheChange::Untracked => {
+                if let Some(confirmed) = self.events.confirmed.get_mut(slot) {
+                    *confirmed = None;
+                }
+            }
+        }
+    }
+}
+
+impl CacheAware {
+    /// Applies a change the engine's events reported at `endpoint` (see the module documentation); `now_us` on
+    /// the requests' clock sweeps expired decisions first.
+    pub(super) fn apply_engine_cache(&self, endpoint: EndpointId, change: &CacheChange, now_us: u64) {
+        let mut state = self.lock();
+        state.expire_unconfirmed(now_us);
+        let slot = match state.slots.get(&endpoint) {
+            Some(&slot) => slot,
+            // Events before the endpoint's first decision: its slot starts now, at the default capacity until a
+            // snapshot says otherwise.
+            None => {
+                let capacity = (self.config.kv_capacity_tokens / self.config.block_tokens.max(1) as u64) as usize;
+                let slot = state.index.add_slot(capacity);
+                state.slots.insert(endpoint, slot);
+                slot
+            }
+        };
+        state.apply(slot, change);
+    }
+
+    /// Whether `endpoint` is in precise mode (its events are followed).
+    pub fn is_precise(&self, endpoint: EndpointId) -> bool {
+        let state = self.lock();
+        state
+            .slots
+            .get(&endpoint)
+            .is_some_and(|&slot| state.events.confirmed(slot).is_some())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::endpoint::Snapshot;
+    use crate::hashing::block_hashes;
+    use crate::policy::{route, Branch, CacheAwareConfig, Policy};
+    use crate::request::{Prompt, RouteRequest};
+
+    const BLOCK: usize = 16;
+
+    fn policy() -> CacheAware {
+        CacheAware::new(CacheAwareConfig {
+            block_tokens: BLOCK,
+            event_grace_ms: 1_000,
+            ..CacheAwareConfig::default()
+        })
+    }
+
+    fn tokens(seed: u32, len: usize) -> Vec<u32> {
+        (0..len as u32)
+            .map(|i| seed.wrapping_mul(7_919) ^ i.wrapping_mul(2_654_435_761))
+            .collect()
+    }
+
+    fn blocks(t: &[u32]) -> Vec<u64> {
+        let mut out = Vec::new();
+        block_hashes(&Prompt::Tokens(t.to_vec()), BLOCK, &mut out);
+        out
+    }
+
+    fn at(t: &[u32], now_us: u64) -> RouteRequest {
+        let mut req = RouteRequest::tokens(t.to_vec());
+        req.now_us = now_us;
+        req
+    }
+
+    #[test]
+    fn what_the_engine_stored_is_where_a_prompt_goes() {
+        let snap = Snapshot::single_worker(4);
+        let p = policy();
+        let prompt = tokens(1, 640);
+        let third = snap.endpoints()[2].id;
+        p.engine_cache(third, &CacheChange::Stored(blocks(&prompt)), 0);
+        assert!(p.is_precise(third));
+        let pick = route(&p, &snap, &at(&prompt, 1)).unwrap();
+        assert_eq!((pick.rank, pick.branch), (2, Branch::Hit));
+        // The engine evicted it, then flushed everything: the index follows.
+        p.engine_cache(third, &CacheChange::Removed(blocks(&prompt)[10..].to_vec()), 2);
+        assert_eq!(p.predicted_cached(&snap, &at(&prompt, 3))[2], 160);
+        p.engine_cache(third, &CacheChange::Cleared, 4);
+        assert_eq!(p.predicted_cached(&snap, &at(&prompt, 5))[2], 0);
+    }
+
+    #[test]
+    fn a_decision_the_events_do_not_confirm_is_forgotten_after_the_grace() {
+        let snap = Snapshot::single_worker(2);
+        let p = policy();
+        for e in snap.endpoints() {
+            p.engine_cache(e.id, &CacheChange::Cleared, 0);
+        }
+        let (kept, lost) = (tokens(2, 320), tokens(3, 320));
+        let kept_at = route(&p, &snap, &at(&kept, 0)).unwrap().rank;
+        let lost_at = route(&p, &snap, &at(&lost, 0)).unwrap().rank;
+        // Only the first was stored by its engine.
+        p.engine_cache(snap.endpoints()[kept_at].id, &CacheChange::Stored(blocks(&kept)), 500);
+        let held = |t: &[u32], rank: usize, now| p.predicted_cached(&snap, &at(t, now))[rank];
+        assert_eq!(
+            (held(&kept, kept_at, 999_000), held(&lost, lost_at, 999_000)),
+            (319, 319),
+            "both within the grace"
+        );
+        // The next decision after the grace sweeps the unconfirmed one.
+        route(&p, &snap, &at(&tokens(4, 32), 1_000_000)).unwrap();
+        assert_eq!(
+            (held(&kept, kept_at, 1_000_001), held(&lost, lost_at, 1_000_001)),
+            (319, 0)
+        );
+    }
+
+    #[test]
+    fn an_untracked_endpoint_keeps_its_decisions() {
+        let snap = Snapshot::single_worker(1);
+        let p = policy();
+        let id = snap.endpoints()[0].id;
+        p.engine_cache(id, &CacheChange::Cleared, 0);
+        p.engine_cache(id, &CacheChange::Untracked, 0);
+        assert!(!p.is_precise(id));
+        let prompt = tokens(5, 320);
+        route(&p, &snap, &at(&prompt, 0)).unwrap();
+        route(&p, &snap, &at(&tokens(6, 32), 5_000_000)).unwrap();
+        assert_eq!(
+            p.predicted_cached(&snap, &at(&prompt, 5_000_001))[0],
+            319,
+            "approximate: no expiry"
+        );
+    }
+}

@@ -1,0 +1,168 @@
+//! End-to-end precise mode: a mock engine publishes its ranks' KV cache events over ZMQ, and the gateway's
+//! `cache_aware` index follows them, so it knows what the engine cached behind its back and forgets what the
+//! engine dropped.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{client, eventually, get, post, Proc};
+use hyper::StatusCode;
+use serde_json::{json, Value};
+
+/// A mock engine publishing its events (free ports, listed in `/get_server_info`), and a gateway following them.
+async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc, Value) {
+    let engine = Proc::engine(&[
+        "--dp-size",
+        "2",
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay",
+        "tcp://127.0.0.1:0",
+        "--kv-events-encoding",
+        encoding,
+    ]);
+    let info = get(&client(), &format!("{}/get_server_info", engine.url)).await.json;
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("kv-events-{name}.toml"));
+    let toml = format!(
+        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\nbackend = \"sglang\"\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
+        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    (engine, gw, info)
+}
+
+fn ids(seed: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| (seed * 7_919 + i * 31) % 150_000).collect()
+}
+
+fn generate(ids: &[u32], rank: Option<u32>) -> Value {
+    let mut body = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 1}});
+    if let Some(rank) = rank {
+        body["routed_dp_rank"] = json!(rank);
+    }
+    body
+}
+
+async fn feeds(gw: &Proc) -> Vec<Value> {
+    get(&client(), &format!("{}/kv_events", gw.url)).await.json["feeds"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Prompts cached at the engine directly (the gateway never routed them) are found where the engine put them;
+/// a flush at the engine is seen too. Without events, the gateway would place each of the eight by its cold
+/// rendezvous choice and find all eight by chance once in 256 runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_index_follows_what_the_engine_caches_behind_the_gateways_back() {
+    for encoding in ["positional", "named"] {
+        let (engine, gw, _) = engine_and_gateway(encoding, encoding).await;
+        let c = client();
+        let subscribed = eventually(Duration::from_secs(10), || async {
+            let feeds = feeds(&gw).await;
+            feeds.len() == 2 && feeds.iter().all(|f| f["connected"] == json!(true))
+        });
+        assert!(subscribed.await, "{:?}", feeds(&gw).await);
+        let prompts: Vec<Vec<u32>> = (0..8).map(|i| ids(i + 1, 200)).collect();
+        for (i, prompt) in prompts.iter().enumerate() {
+            let seeded = post(
+                &c,
+                &format!("{}/generate", engine.url),
+                &[],
+                &generate(prompt, Some(i as u32 % 2)),
+            )
+            .await;
+            assert_eq!(seeded.status, StatusCode::OK, "{}", seeded.text);
+        }
+        // 8 prompts of 200 tokens plus one answer token each: 12 router blocks of 16 each.
+        let followed = eventually(Duration::from_secs(10), || async {
+            feeds(&gw)
+                .await
+                .iter()
+                .map(|f| f["router_blocks"].as_u64().unwrap())
+                .sum::<u64>()
+                == 8 * 12
+        });
+        assert!(followed.await, "{:?}", feeds(&gw).await);
+        for (i, prompt) in prompts.iter().enumerate() {
+            let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate(prompt, None)).await;
+            assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+            assert_eq!(reply.rank, Some(i as u64 % 2), "{encoding}: prompt {i} went elsewhere");
+            assert_eq!(reply.json["meta_info"]["cached_tokens"], json!(199), "{}", reply.text);
+        }
+        // The engine forgets everything: so does the index, and the same prompts are cold again.
+        assert_eq!(
+            post(&c, &format!("{}/flush_cache", engine.url), &[], &json!({}))
+                .await
+                .status,
+            StatusCode::OK
+        );
+        let emptied = eventually(Duration::from_secs(10), || async {
+            feeds(&gw).await.iter().all(|f| f["router_blocks"] == json!(0))
+        });
+        assert!(emptied.await, "{:?}", feeds(&gw).await);
+        let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+        let cold_before = workers["decisions"]["cold"].as_u64().unwrap_or(0);
+        post(&c, &format!("{}/generate", gw.url), &[], &generate(&prompts[0], None)).await;
+        let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+        assert_eq!(
+            workers["decisions"]["cold"].as_u64(),
+            Some(cold_before + 1),
+            "{workers}"
+        );
+        let scrape = get(&c, &format!("{}/metrics", gw.url)).await.text;
+        assert!(scrape.contains("dprouter_kv_event_batches_total"), "{scrape}");
+        assert!(
+            scrape.contains("dprouter_cache_prediction_error_tokens_bucket"),
+            "{scrape}"
+        );
+    }
+}
+
+/// A gateway that starts after the engine has cached prompts learns them from the engine's replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_gateway_learns_the_cache_from_the_replay() {
+    let engine = Proc::engine(&[
+        "--dp-size",
+        "2",
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay",
+        "tcp://127.0.0.1:0",
+    ]);
+    let c = client();
+    let prompt = ids(99, 160);
+    let seeded = post(
+        &c,
+        &format!("{}/generate", engine.url),
+        &[],
+        &generate(&prompt, Some(1)),
+    )
+    .await;
+    assert_eq!(seeded.status, StatusCode::OK);
+    let info = get(&c, &format!("{}/get_server_info", engine.url)).await.json;
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-late.toml");
+    let toml = format!(
+        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
+        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let learned = eventually(Duration::from_secs(10), || async {
+        feeds(&gw)
+            .await
+            .iter()
+            .map(|f| f["router_blocks"].as_u64().unwrap())
+            .sum::<u64>()
+            == 10
+    });
+    assert!(learned.await, "{:?}", feeds(&gw).await);
+    let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate(&prompt, None)).await;
+    assert_eq!(
+        (reply.rank, reply.json["meta_info"]["cached_tokens"].as_u64()),
+        (Some(1), Some(159))
+    );
+}
