@@ -53,7 +53,8 @@ pub struct BenchArgs {
     /// agent[:k=v,...], groups[:k=v,...] or trace:PATH[,...], as for `simulate`.
     #[arg(long, value_parser = |s: &str| WorkloadSpec::parse(s).map_err(|e| e.to_string()))]
     workload: WorkloadSpec,
-    /// Base URL of the server under test; without it, an embedded mock engine is started for each policy.
+    /// Base URL of the server under test (several, comma-separated, share the requests: gateway replicas); without
+    /// it, an embedded mock engine is started for each policy.
     #[arg(long)]
     target: Option<String>,
     /// Who picks ranks.
@@ -230,6 +231,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 report_interval: 20_000,
                 seed: args.seed,
                 removal: None,
+                kv_events: None,
             };
             let mut workload = args.workload.build(args.seed)?;
             let bar = progress_bar(&format!("simulating {name}"), workload.expected_requests(), args.quiet)?;

@@ -16,7 +16,9 @@ use clap::Args;
 use dprouter_bench::plot::{self, PolicyPlot};
 use dprouter_core::PolicyConfig;
 use dprouter_sim::report::table;
-use dprouter_sim::{simulate, CostModel, RankRemoval, RemovalMode, SimConfig, SimOutcome, Summary, WorkloadSpec};
+use dprouter_sim::{
+    simulate_replicas, CostModel, RankRemoval, RemovalMode, SimConfig, SimOutcome, Summary, WorkloadSpec,
+};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
 
@@ -51,6 +53,14 @@ pub struct SimulateArgs {
     /// groups change rank at that time anyway).
     #[arg(long, default_value = "down", value_parser = ["down", "drop", "control"])]
     remove_mode: String,
+    /// Precise mode: also run `cache_aware` (as `cache_aware+events`) with the ranks' KV cache events reaching it
+    /// this long after each cache change, and print each one's prediction error.
+    #[arg(long, value_name = "MS")]
+    kv_events_delay_ms: Option<f64>,
+    /// Route with this many gateway replicas, each with its own policy and in-flight counts (request i goes to
+    /// replica i mod N); engine load reports and KV events reach them all.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    replicas: u32,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -183,7 +193,11 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         report_interval: (args.report_interval_ms.max(0.0) * 1000.0) as u64,
         seed: args.seed,
         removal,
+        kv_events: None,
     };
+    if let Some(ms) = args.kv_events_delay_ms {
+        anyhow::ensure!(ms >= 0.0 && ms.is_finite(), "--kv-events-delay-ms must be >= 0");
+    }
     let specs: Vec<String> = if args.policy.is_empty() {
         PolicyConfig::NAMES.iter().map(|n| (*n).to_owned()).collect()
     } else {
@@ -192,23 +206,41 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     check_plot_path(args.plot.as_deref())?;
     let mut rows = Vec::new();
     let mut outcomes = Vec::new();
+    // Each policy as given; with --kv-events-delay-ms, each cache_aware again in precise mode.
+    let mut runs: Vec<(String, PolicyConfig, SimConfig)> = Vec::new();
     for spec in &specs {
         let policy = build_config(spec, &cost)?;
+        runs.push((spec.clone(), policy.clone(), config.clone()));
+        if let (Some(ms), PolicyConfig::CacheAware(c)) = (args.kv_events_delay_ms, &policy) {
+            let events = dprouter_sim::KvEventsConfig {
+                delay: (ms * 1000.0) as u64,
+                block_tokens: c.block_tokens,
+            };
+            let precise = SimConfig {
+                kv_events: Some(events),
+                ..config.clone()
+            };
+            runs.push((format!("{spec}+events"), policy, precise));
+        }
+    }
+    for (name, policy, config) in &runs {
         let started = Instant::now();
         let mut workload = args.workload.build(args.seed)?;
-        let bar = progress_bar(&format!("simulating {spec}"), workload.expected_requests(), args.quiet)?;
-        let outcome = simulate(policy.build().as_ref(), workload.as_mut(), &config, &mut |done| {
+        let bar = progress_bar(&format!("simulating {name}"), workload.expected_requests(), args.quiet)?;
+        let built: Vec<Box<dyn dprouter_core::Policy>> = (0..args.replicas).map(|_| policy.build()).collect();
+        let replicas: Vec<&dyn dprouter_core::Policy> = built.iter().map(|p| p.as_ref()).collect();
+        let outcome = simulate_replicas(&replicas, workload.as_mut(), config, &mut |done| {
             bar.set_position(done as u64)
         })?;
         bar.finish_and_clear();
         if !args.quiet {
             eprintln!(
-                "{spec}: {} requests simulated in {:.2} s",
+                "{name}: {} requests simulated in {:.2} s",
                 outcome.records.len(),
                 started.elapsed().as_secs_f64()
             );
         }
-        rows.push(Summary::new(spec, &outcome));
+        rows.push(Summary::new(name, &outcome));
         // Only the figure needs the records.
         if args.plot.is_some() {
             outcomes.push(outcome);
@@ -226,14 +258,28 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             r.at as f64 / 1e6
         )
     });
+    let replicas_note = match args.replicas {
+        1 => String::new(),
+        n => format!(", {n} gateway replicas"),
+    };
     let heading = format!(
-        "workload {}, dp {}, preset {}{removal_note}",
+        "workload {}, dp {}, preset {}{removal_note}{replicas_note}",
         args.workload.name(),
         args.dp_size,
         args.cost.preset
     );
     println!("{heading}");
     print!("{}", table(&rows));
+    if let Some(ms) = args.kv_events_delay_ms {
+        let errors: Vec<String> = rows
+            .iter()
+            .filter_map(|r| Some(format!("{} {:.1}", r.policy, r.prediction_error?)))
+            .collect();
+        println!(
+            "(KV events reach +events policies {ms} ms after each cache change; mean |predicted - cached| tokens: {})",
+            errors.join(", ")
+        );
+    }
     if let Some(path) = &args.json {
         let doc = json!({
             "workload": args.workload.name(),

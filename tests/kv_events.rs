@@ -166,3 +166,134 @@ async fn a_late_gateway_learns_the_cache_from_the_replay() {
         (Some(1), Some(159))
     );
 }
+
+/// The Python publisher of `tests/kv_publisher.py`, driven line by line.
+struct PythonPublisher {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    publisher: String,
+    replay: String,
+}
+
+impl PythonPublisher {
+    fn start() -> Self {
+        use std::io::BufRead;
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_publisher.py");
+        let mut child = std::process::Command::new(common::python())
+            .arg(script)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!((words.len(), words[0], words[2]), (4, "pub", "replay"), "{line:?}");
+        let (publisher, replay) = (words[1].to_string(), words[3].to_string());
+        Self {
+            child,
+            stdin,
+            stdout,
+            publisher,
+            replay,
+        }
+    }
+
+    fn run(&mut self, command: &str) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "{command}").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "done", "{command}");
+    }
+}
+
+impl Drop for PythonPublisher {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The tokens `tests/kv_publisher.py` stores.
+fn python_tokens(seed: u32, n: u32) -> Vec<u32> {
+    ids(seed, n)
+}
+
+/// An independent publisher (pyzmq, msgspec structs as vLLM defines them) sends batches with a gap, a removal,
+/// bytes hashes and an orphan, then restarts: the gateway's feed and index follow it exactly, and a rank whose
+/// publisher never speaks routes as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_style_publisher_written_in_python_is_followed() {
+    let mut python = PythonPublisher::start();
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let (silent, silent_port) = common::hold_port(0);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-python.toml");
+    let toml = format!(
+        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = [{:?}, \"tcp://127.0.0.1:{silent_port}\"]\nkv_events_replay = [{:?}, \"tcp://127.0.0.1:{silent_port}\"]\n",
+        engine.url, python.publisher, python.replay
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let c = client();
+    let feed = || async {
+        feeds(&gw)
+            .await
+            .into_iter()
+            .find(|f| f["endpoint"] == json!("w0r0"))
+            .unwrap_or_default()
+    };
+    assert!(
+        eventually(Duration::from_secs(10), || async {
+            feed().await["connected"] == json!(true)
+        })
+        .await
+    );
+    python.run("script");
+    // A: 64 tokens, 4 router blocks; B: 48 tokens less its last 16, 2; C (replayed after the gap): 2; D: orphan.
+    let followed = eventually(Duration::from_secs(10), || async {
+        feed().await["router_blocks"] == json!(8)
+    });
+    assert!(followed.await, "{}", feed().await);
+    let status = feed().await;
+    assert_eq!(status["gaps"], json!(1), "{status}");
+    assert!(status["replayed_batches"].as_u64().unwrap() >= 1, "{status}");
+    assert_eq!(status["orphans"], json!(1), "{status}");
+    assert_eq!(status["last_seq"], json!(5), "{status}");
+    // A and C are at rank 0 as far as the gateway knows (hits); D, an orphan, is nowhere (cold).
+    for (prompt, rank, branch) in [
+        (python_tokens(1, 70), 0, "hit"),
+        (python_tokens(3, 40), 0, "hit"),
+        (python_tokens(4, 40), 0, "cold"),
+    ] {
+        let before = get(&c, &format!("{}/workers", gw.url)).await.json["decisions"][branch]
+            .as_u64()
+            .unwrap_or(0);
+        let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate(&prompt, None)).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        let after = get(&c, &format!("{}/workers", gw.url)).await.json["decisions"][branch]
+            .as_u64()
+            .unwrap_or(0);
+        assert_eq!(after, before + 1, "{branch}");
+        if branch == "hit" {
+            assert_eq!(reply.rank, Some(rank));
+        }
+    }
+    // The publisher restarts: the index holds only what its new life published (E and F, one block each).
+    python.run("restart");
+    let restarted = eventually(Duration::from_secs(10), || async {
+        let f = feed().await;
+        f["restarts"] == json!(1) && f["router_blocks"] == json!(2)
+    });
+    assert!(restarted.await, "{}", feed().await);
+    let silent_feed = feeds(&gw).await.into_iter().find(|f| f["endpoint"] == json!("w0r1"));
+    assert!(
+        silent_feed.as_ref().is_none_or(|f| f["batches"] == json!(0)),
+        "{silent_feed:?}"
+    );
+    drop(silent);
+}

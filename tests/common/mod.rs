@@ -171,8 +171,9 @@ where
     check().await
 }
 
-/// The pinned Python packages the end-to-end tests drive the gateway with.
-pub const PYTHON_REQUIREMENTS: &[&str] = &["openai==3.57.0"];
+/// The pinned Python packages the end-to-end tests drive the gateway with: the OpenAI SDK, and pyzmq and msgspec
+/// for a KV event publisher written as vLLM writes its own.
+pub const PYTHON_REQUIREMENTS: &[&str] = &["openai==3.57.0", "pyzmq==26.4.0", "msgspec==0.19.0"];
 
 /// A Python interpreter with [`PYTHON_REQUIREMENTS`] installed: a virtual environment under the target directory,
 /// created and filled on first use (so `cargo test` needs only `python3` and the package index, never the system's

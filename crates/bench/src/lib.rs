@@ -61,7 +61,8 @@ pub enum Api {
 const FIRST_MAPPED_ID: u32 = 256;
 
 pub struct BenchConfig<'a> {
-    /// Base URL of the target, e.g. `http://127.0.0.1:30000`.
+    /// Base URL of the target, e.g. `http://127.0.0.1:30000`; several, comma-separated, share the requests (request
+    /// `i` to the `i mod n`-th).
     pub target: String,
     pub api: Api,
     /// The workload's seed (a completion's stand-in output tokens).
@@ -144,9 +145,17 @@ pub async fn run(
         Api::Generate => "/generate",
         Api::Completions { .. } => "/v1/completions",
     };
-    let url: hyper::Uri = format!("{}{path}", config.target.trim_end_matches('/'))
-        .parse()
-        .map_err(|_| BenchError::Target(config.target.clone()))?;
+    // Several targets (comma-separated): request `i` goes to target `i mod n`, as a load balancer in front of
+    // gateway replicas would spread them.
+    let urls: Vec<hyper::Uri> = config
+        .target
+        .split(',')
+        .map(|target| {
+            format!("{}{path}", target.trim().trim_end_matches('/'))
+                .parse()
+                .map_err(|_| BenchError::Target(target.to_string()))
+        })
+        .collect::<Result<_, _>>()?;
     // Endpoints named by a gateway (`x-dprouter-endpoint`), numbered as they are first seen.
     let mut endpoints: HashMap<String, usize> = HashMap::new();
     let mut connector = HttpConnector::new();
@@ -260,7 +269,8 @@ pub async fn run(
                     }
                 }
                 in_flight += 1;
-                let (client, url, tx, api) = (client.clone(), url.clone(), done_tx.clone(), config.api.clone());
+                let url = urls[(req.id % urls.len() as u64) as usize].clone();
+                let (client, tx, api) = (client.clone(), done_tx.clone(), config.api.clone());
                 let stand_in = match api {
                     Api::Generate => None,
                     Api::Completions { .. } => {
@@ -324,6 +334,7 @@ pub async fn run(
                     finish: finish.max(done.req.arrival),
                     prompt_tokens: done.req.tokens.len(),
                     cached_tokens: measured.cached_tokens,
+                    predicted_cached: None,
                 });
                 if let Some(next) = workload.on_finish(&done.req, &measured.output_ids, finish) {
                     delayed.push(next);

@@ -474,6 +474,7 @@ mod tests {
                 finish: 1_000_000 * i as u64 + ms * 1000 + 5,
                 prompt_tokens: 100,
                 cached_tokens: 50,
+                predicted_cached: None,
             })
             .collect();
         SimOutcome {

@@ -154,8 +154,10 @@ enum Verdict {
     Apply,
     /// Already applied (a replay and the live stream overlap).
     Duplicate,
-    /// The engine restarted: its cache is empty, then this batch applies.
+    /// The engine restarted: its cache is empty; its batches from 0 are replayed, then this one applies.
     Restart,
+    /// The first batch seen, not the engine's first: the earlier ones are replayed first, if the engine has them.
+    Join,
     /// Batches `from..to` were missed: replay them first.
     Gap {
         from: u64,
@@ -166,6 +168,7 @@ enum Verdict {
 /// Checks a batch's sequence number `seq` and time `ts` against the last batch applied.
 fn classify(last: Option<(u64, f64)>, seq: u64, ts: f64) -> Verdict {
     match last {
+        None if seq > 0 => Verdict::Join,
         None => Verdict::Apply,
         Some((last, last_ts)) if seq <= last => {
             if ts > last_ts {
@@ -281,6 +284,11 @@ impl Feed {
                 self.count("restart");
                 self.status(|s| s.restarts += 1);
                 self.clear();
+                self.last = None;
+                self.replay_range(0, seq).await;
+            }
+            Verdict::Join => {
+                self.replay_range(0, seq).await;
             }
             Verdict::Gap { from, to } => {
                 self.count("gap");
@@ -394,7 +402,8 @@ mod tests {
 
     #[test]
     fn sequences_tell_gaps_duplicates_and_restarts() {
-        assert_eq!(classify(None, 5, 1.0), Verdict::Apply);
+        assert_eq!(classify(None, 0, 1.0), Verdict::Apply);
+        assert_eq!(classify(None, 5, 1.0), Verdict::Join);
         assert_eq!(classify(Some((4, 1.0)), 5, 1.0), Verdict::Apply);
         assert_eq!(classify(Some((4, 1.0)), 9, 2.0), Verdict::Gap { from: 5, to: 9 });
         assert_eq!(

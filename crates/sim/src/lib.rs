@@ -15,5 +15,7 @@ pub mod workload;
 pub use cost::{CostModel, Micros};
 pub use oracle::Oracle;
 pub use report::Summary;
-pub use simulator::{simulate, RankRemoval, RemovalMode, RequestRecord, SimConfig, SimOutcome};
+pub use simulator::{
+    simulate, simulate_replicas, KvEventsConfig, RankRemoval, RemovalMode, RequestRecord, SimConfig, SimOutcome,
+};
 pub use workload::{SimRequest, Workload, WorkloadError, WorkloadSpec};

@@ -35,6 +35,9 @@ pub struct Summary {
     pub moved_groups: Option<f64>,
     /// Requests per routing branch (`hit`, `spill`, `cold`, `affine`, …).
     pub branches: BTreeMap<&'static str, usize>,
+    /// Mean absolute difference between the cached tokens the policy predicted and those the rank had, over the
+    /// requests it predicted for (`None` for a policy that does not predict).
+    pub prediction_error: Option<f64>,
 }
 
 /// Of the groups with requests both before and at-or-after `at`, the fraction whose rank changed between their
@@ -124,6 +127,13 @@ impl Summary {
                 *m.entry(r.branch.as_str()).or_insert(0) += 1;
                 m
             }),
+            prediction_error: {
+                let errors: Vec<u64> = records
+                    .iter()
+                    .filter_map(|r| Some(r.predicted_cached?.abs_diff(r.cached_tokens as u64)))
+                    .collect();
+                (!errors.is_empty()).then(|| errors.iter().sum::<u64>() as f64 / errors.len() as f64)
+            },
         }
     }
 }
@@ -223,6 +233,7 @@ mod tests {
             finish: arrival,
             prompt_tokens: 10,
             cached_tokens: 0,
+            predicted_cached: None,
         }
     }
 

@@ -11,6 +11,10 @@
 //! every rank publishes an [`EngineReport`] (running + waiting requests; pinned KV plus queued prompt tokens), as
 //! SGLang's schedulers do. Ranks are endpoints `(worker 0, dp_rank)` with the cost model's KV capacity.
 //!
+//! With [`SimConfig::kv_events`], the ranks' caches also publish their KV events ([`RadixCache::with_events`]),
+//! which reach the policy `delay` after the cache changed, followed into its block hashes as the gateway follows an
+//! engine's ([`EngineBlocks`]): `cache_aware`'s precise mode.
+//!
 //! Every arrival is also fed to an [`Oracle`]: the hit rate one infinite cache would reach on the same requests.
 //! Optionally one rank is removed at a given time ([`RankRemoval`]): marked down in the snapshot, or dropped from it
 //! (the remaining endpoints renumbered); the work already queued on it still completes.
@@ -23,6 +27,8 @@ use std::collections::{BinaryHeap, VecDeque};
 
 use std::sync::Arc;
 
+use dprouter_core::engine_blocks::EngineBlocks;
+use dprouter_core::kv_events::KvEvent;
 use dprouter_core::{
     dispatch, Branch, Endpoint, EndpointId, EndpointLoad, EngineReport, Policy, RouteRequest, Snapshot, Ticket, Usage,
 };
@@ -45,6 +51,17 @@ pub struct SimConfig {
     pub seed: u64,
     /// Take one rank out of service mid-run.
     pub removal: Option<RankRemoval>,
+    /// Deliver the ranks' KV cache events to the policy (precise mode).
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// How the ranks' KV events reach the policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvEventsConfig {
+    /// From a cache change to the policy: publishing, the network, decoding.
+    pub delay: Micros,
+    /// The policy's block size, tokens (the events are followed into its block hashes).
+    pub block_tokens: usize,
 }
 
 /// One rank leaving service at a point in virtual time.
@@ -80,6 +97,8 @@ pub struct RequestRecord {
     pub finish: Micros,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
+    /// The cached tokens the policy predicted, if it predicts.
+    pub predicted_cached: Option<u64>,
 }
 
 impl RequestRecord {
@@ -115,6 +134,8 @@ enum Event {
     PrefillDone(usize),
     /// Decodes may be complete (stale unless its number is the latest [`Sim::decode_wakeup`]).
     DecodeDue(u64),
+    /// A rank's KV events reach the policy (the batch's number in [`Sim::published`]).
+    KvEvents(u64),
 }
 
 struct Live<'a> {
@@ -127,24 +148,34 @@ struct Live<'a> {
     ticket: Option<Ticket<&'a dyn Policy>>,
     lock: Option<LockId>,
     cached: usize,
+    /// The cached tokens the policy predicted.
+    predicted: Option<u64>,
     first_token: Micros,
 }
 
 struct Rank {
     cache: RadixCache,
+    /// With KV events: the rank's events followed into the policy's block hashes.
+    followed: Option<EngineBlocks>,
     queue: VecDeque<usize>,
     queued_tokens: u64,
     prefilling: Option<usize>,
     decoding: usize,
 }
 
-struct Sim<'a> {
+/// One router (a gateway replica): its policy, and its own view of the ranks' load.
+struct Router<'a> {
     policy: &'a dyn Policy,
+    snap: Snapshot,
+    /// Its load counters per rank (shared with every snapshot's endpoint of that rank): its own requests in flight,
+    /// and the engine reports every router receives.
+    loads: Vec<Arc<EndpointLoad>>,
+}
+
+struct Sim<'a> {
+    routers: Vec<Router<'a>>,
     workload: &'a mut dyn Workload,
     config: &'a SimConfig,
-    snap: Snapshot,
-    /// Each simulated rank's load counters (shared with every snapshot's endpoint of that rank).
-    loads: Vec<Arc<EndpointLoad>>,
     oracle: Oracle,
     ranks: Vec<Rank>,
     live: Vec<Option<Live<'a>>>,
@@ -156,6 +187,8 @@ struct Sim<'a> {
     decode: DecodeClock,
     /// The number of the one [`Event::DecodeDue`] that is current; earlier ones are stale.
     decode_wakeup: u64,
+    /// KV event batches on their way to the policy: their rank and events, by number.
+    published: std::collections::HashMap<u64, (usize, Vec<KvEvent>)>,
     outcome: SimOutcome,
 }
 
@@ -167,23 +200,47 @@ pub fn simulate(
     config: &SimConfig,
     on_progress: &mut dyn FnMut(usize),
 ) -> Result<SimOutcome, WorkloadError> {
+    simulate_replicas(&[policy], workload, config, on_progress)
+}
+
+/// [`simulate`] with several routers, as gateway replicas behind a load balancer: request `i` goes to router
+/// `i mod n`. Each router has its own policy and its own in-flight counts; the ranks' load reports and KV events
+/// reach them all.
+pub fn simulate_replicas(
+    policies: &[&dyn Policy],
+    workload: &mut dyn Workload,
+    config: &SimConfig,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<SimOutcome, WorkloadError> {
     let dp = config.dp_size as usize;
     let kv = config.cost.kv_capacity as u64;
-    let snap = Snapshot::new(
-        (0..config.dp_size)
-            .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(kv))
-            .collect(),
-    );
+    let routers = policies
+        .iter()
+        .map(|&policy| {
+            let snap = Snapshot::new(
+                (0..config.dp_size)
+                    .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(kv))
+                    .collect(),
+            );
+            Router {
+                policy,
+                loads: snap.endpoints().iter().map(|e| Arc::clone(&e.load)).collect(),
+                snap,
+            }
+        })
+        .collect();
     let mut sim = Sim {
-        policy,
+        routers,
         workload,
         config,
-        loads: snap.endpoints().iter().map(|e| Arc::clone(&e.load)).collect(),
-        snap,
         oracle: Oracle::default(),
         ranks: (0..dp)
             .map(|_| Rank {
-                cache: RadixCache::new(config.cost.kv_capacity, config.cost.page_size),
+                cache: match config.kv_events {
+                    Some(_) => RadixCache::with_events(config.cost.kv_capacity, config.cost.page_size),
+                    None => RadixCache::new(config.cost.kv_capacity, config.cost.page_size),
+                },
+                followed: config.kv_events.map(|e| EngineBlocks::new(e.block_tokens, usize::MAX)),
                 queue: VecDeque::new(),
                 queued_tokens: 0,
                 prefilling: None,
@@ -197,6 +254,7 @@ pub fn simulate(
         last_report: None,
         decode: DecodeClock::new(config.cost.prefill_stalls_decode),
         decode_wakeup: 0,
+        published: std::collections::HashMap::new(),
         outcome: SimOutcome {
             routed_per_rank: vec![0; dp],
             ..SimOutcome::default()
@@ -222,19 +280,52 @@ pub fn simulate(
                 sim.wake_decode();
             }
             Event::DecodeDue(_) => {}
+            Event::KvEvents(batch) => sim.deliver_events(batch, now),
         }
     }
     if let Some(err) = sim.workload.take_error() {
         return Err(err);
     }
     on_progress(sim.outcome.records.len());
-    sim.outcome.in_flight_at_end = sim.loads.iter().map(|l| l.in_flight_requests()).sum();
-    sim.outcome.queued_prefill_at_end = sim.loads.iter().map(|l| l.queued_prefill_requests()).sum();
+    let loads = || sim.routers.iter().flat_map(|router| &router.loads);
+    sim.outcome.in_flight_at_end = loads().map(|l| l.in_flight_requests()).sum();
+    sim.outcome.queued_prefill_at_end = loads().map(|l| l.queued_prefill_requests()).sum();
     sim.outcome.oracle_hit_rate = Some(sim.oracle.hit_rate());
     Ok(sim.outcome)
 }
 
 impl<'a> Sim<'a> {
+    /// Sends rank `r`'s new KV events on their way to the policy.
+    fn publish_events(&mut self, r: usize, now: Micros) {
+        let Some(events) = self.config.kv_events else { return };
+        let batch = self.ranks[r].cache.take_events();
+        if batch.is_empty() {
+            return;
+        }
+        self.seq += 1;
+        let number = self.seq;
+        self.published.insert(number, (r, batch));
+        self.schedule(now + events.delay, Event::KvEvents(number));
+    }
+
+    fn deliver_events(&mut self, number: u64, now: Micros) {
+        let Some((r, batch)) = self.published.remove(&number) else {
+            return;
+        };
+        let Some(followed) = self.ranks[r].followed.as_mut() else {
+            return;
+        };
+        let endpoint = EndpointId::new(0, r as u32);
+        for event in &batch {
+            // The simulator's own caches never skip an event: nothing is an orphan.
+            if let Ok(Some(change)) = followed.apply(event) {
+                for router in &self.routers {
+                    router.policy.engine_cache(endpoint, &change, now);
+                }
+            }
+        }
+    }
+
     fn schedule(&mut self, at: Micros, event: Event) {
         self.seq += 1;
         self.events.push(Reverse((at, self.seq, event)));
@@ -260,6 +351,7 @@ impl<'a> Sim<'a> {
             ticket: None,
             lock: None,
             cached: 0,
+            predicted: None,
             first_token: 0,
         };
         let slot = match self.free.pop() {
@@ -295,13 +387,16 @@ impl<'a> Sim<'a> {
         self.last_report = Some(now);
         for (r, rank) in self.ranks.iter().enumerate() {
             let waiting = rank.queue.len() as u64;
-            self.loads[r].apply_report(EngineReport {
+            let report = EngineReport {
                 requests: waiting + u64::from(rank.prefilling.is_some()) + rank.decoding as u64,
                 waiting,
                 tokens: rank.cache.locked_size() as u64 + rank.queued_tokens,
                 // Strictly increasing even for a report at time 0.
                 timestamp: now + 1,
-            });
+            };
+            for router in &self.routers {
+                router.loads[r].apply_report(report);
+            }
         }
     }
 
@@ -322,9 +417,14 @@ impl<'a> Sim<'a> {
         let route_req = RouteRequest::tokens(live.req.tokens.clone())
             .with_bootstrap_room(live.req.bootstrap_room(self.config.seed))
             .at(now);
-        match dispatch(self.policy, &self.snap, route_req) {
+        let router = &self.routers[(live.req.id % self.routers.len() as u64) as usize];
+        match dispatch(router.policy, &router.snap, route_req) {
             Ok(ticket) => {
                 let r = ticket.endpoint.dp_rank as usize;
+                live.predicted = ticket
+                    .pick
+                    .prefill_tokens
+                    .map(|prefill| ticket.request().input_tokens.saturating_sub(prefill));
                 live.rank = r;
                 live.branch = ticket.pick.branch;
                 live.ticket = Some(ticket);
@@ -360,6 +460,7 @@ impl<'a> Sim<'a> {
         }
         rank.prefilling = Some(slot);
         let done = now + self.config.cost.prefill(live.req.tokens.len() - cached);
+        self.publish_events(r, now);
         self.schedule(done, Event::PrefillDone(r));
         self.decode.prefill_started(now);
         self.wake_decode();
@@ -383,6 +484,7 @@ impl<'a> Sim<'a> {
             let duration = self.config.cost.decode(live.req.output_tokens, rank.decoding);
             self.decode.start(now, duration, slot);
         }
+        self.publish_events(r, now);
         self.wake_decode();
         self.start_prefill(r, now);
     }
@@ -391,13 +493,21 @@ impl<'a> Sim<'a> {
     fn remove_rank(&mut self) {
         let Some(removal) = self.outcome.removal else { return };
         let gone = EndpointId::new(0, removal.rank as u32);
-        self.snap = match removal.mode {
-            RemovalMode::Control => return,
-            RemovalMode::Drop => {
-                Snapshot::new(self.snap.endpoints().iter().filter(|e| e.id != gone).cloned().collect())
-            }
-            RemovalMode::Down => self.snap.with_health(|_, e| e.healthy && e.id != gone),
-        };
+        for router in &mut self.routers {
+            router.snap = match removal.mode {
+                RemovalMode::Control => return,
+                RemovalMode::Drop => Snapshot::new(
+                    router
+                        .snap
+                        .endpoints()
+                        .iter()
+                        .filter(|e| e.id != gone)
+                        .cloned()
+                        .collect(),
+                ),
+                RemovalMode::Down => router.snap.with_health(|_, e| e.healthy && e.id != gone),
+            };
+        }
     }
 
     fn decode_done(&mut self, slot: usize, now: Micros) {
@@ -411,6 +521,7 @@ impl<'a> Sim<'a> {
         if let Some(lock) = live.lock.take() {
             rank.cache.unlock(lock);
         }
+        self.publish_events(live.rank, now);
         // Releases this request's in-flight load.
         live.ticket = None;
         self.outcome.records.push(RequestRecord {
@@ -424,6 +535,7 @@ impl<'a> Sim<'a> {
             finish: now,
             prompt_tokens: live.req.tokens.len(),
             cached_tokens: live.cached,
+            predicted_cached: live.predicted,
         });
         if let Some(next) = self.workload.on_finish(&live.req, &output, now) {
             self.admit(next, false, now);
@@ -446,6 +558,7 @@ mod tests {
             report_interval: 20_000,
             seed: 0,
             removal: None,
+            kv_events: None,
         }
     }
 

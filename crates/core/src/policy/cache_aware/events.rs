@@ -38,7 +38,20 @@ struct Pending {
     hashes: Box<[u64]>,
 }
 
+/// A precise slot's index holds this many times the endpoint's capacity: the engine's events, not the index's
+/// LRU, say what it dropped (the slack covers decisions not yet confirmed, and an engine's locked blocks past its
+/// capacity), and a full index would forget blocks the engine still holds.
+const PRECISE_SLACK: usize = 4;
+
 impl EventState {
+    /// The index capacity of `slot` for an endpoint of `capacity` blocks.
+    pub(super) fn capacity(&self, slot: usize, capacity: usize) -> usize {
+        match self.confirmed(slot) {
+            Some(_) => capacity.saturating_mul(PRECISE_SLACK),
+            None => capacity,
+        }
+    }
+
     fn confirmed(&self, slot: usize) -> Option<&HashSet<u64, PassThroughBuild>> {
         self.confirmed.get(slot).and_then(Option::as_ref)
     }
@@ -82,6 +95,7 @@ impl State {
     }
 
     fn apply(&mut self, slot: usize, change: &CacheChange) {
+        let was_precise = self.events.confirmed(slot).is_some();
         match change {
             CacheChange::Stored(hashes) => {
                 self.index.record(slot, hashes);
@@ -103,6 +117,16 @@ impl State {
                     *confirmed = None;
                 }
             }
+        }
+        let precise = self.events.confirmed(slot).is_some();
+        if precise != was_precise {
+            let capacity = self.index.capacity(slot);
+            let capacity = if precise {
+                capacity.saturating_mul(PRECISE_SLACK)
+            } else {
+                capacity / PRECISE_SLACK
+            };
+            self.index.set_capacity(slot, capacity);
         }
     }
 }

@@ -219,6 +219,7 @@ impl CacheAware {
             let slot = match state.slots.get(&e.id) {
                 Some(&slot) => {
                     if current {
+                        let capacity = state.events.capacity(slot, capacity);
                         state.index.set_capacity(slot, capacity);
                     }
                     slot
