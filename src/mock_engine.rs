@@ -73,6 +73,10 @@ pub struct MockEngineArgs {
     /// How events are encoded: positional arrays (older engines) or maps with a "type" key (newer ones).
     #[arg(long, value_enum, default_value = "positional")]
     kv_events_encoding: EncodingArg,
+    /// Tokenize text and chat prompts with this model's tokenizer and chat template (a directory with
+    /// tokenizer.json and tokenizer_config.json) instead of the mock's own pieces.
+    #[arg(long, value_name = "DIR")]
+    tokenizer: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -110,6 +114,12 @@ impl MockEngineArgs {
             },
             seed: self.seed,
             kv_events: self.kv_events.is_some(),
+            tokenizer: match &self.tokenizer {
+                Some(path) => Some(std::sync::Arc::new(
+                    dprouter_tokenize::ModelTokenizer::load(path).map_err(anyhow::Error::msg)?,
+                )),
+                None => None,
+            },
         })
     }
 }

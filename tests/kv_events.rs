@@ -297,3 +297,64 @@ async fn a_vllm_style_publisher_written_in_python_is_followed() {
     );
     drop(silent);
 }
+
+/// Chat requests, with the model's tokenizer on both sides: the engine (the mock, with SmolLM2's tokenizer and chat
+/// template) caches the chat's token ids and publishes them; the gateway renders and tokenizes the same chat the
+/// same way, so its key is the events' blocks and it finds each conversation where the engine holds it. Keyed on
+/// bytes, it would place each of the eight by its cold choice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chats_keyed_on_the_models_tokens_meet_the_engines_events() {
+    let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/smollm2");
+    let engine = Proc::engine(&[
+        "--dp-size",
+        "2",
+        "--tokenizer",
+        model,
+        "--kv-events",
+        "tcp://127.0.0.1:0",
+        "--kv-events-replay",
+        "tcp://127.0.0.1:0",
+    ]);
+    let c = client();
+    let info = get(&c, &format!("{}/get_server_info", engine.url)).await.json;
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-chat.toml");
+    let toml = format!(
+        "tokenizer = {model:?}\n[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
+        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let chat = |i: u32| {
+        json!({"model": "m", "max_tokens": 1, "messages": [
+            {"role": "system", "content": format!("You are assistant number {i}. ").repeat(20)},
+            {"role": "user", "content": "Say something."},
+        ]})
+    };
+    for i in 0..8u32 {
+        let mut seeded = chat(i);
+        seeded["routed_dp_rank"] = json!(i % 2);
+        let reply = post(&c, &format!("{}/v1/chat/completions", engine.url), &[], &seeded).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    let followed = eventually(Duration::from_secs(10), || async {
+        let feeds = feeds(&gw).await;
+        feeds.len() == 2 && feeds.iter().all(|f| f["router_blocks"].as_u64().unwrap() > 0)
+    });
+    assert!(followed.await, "{:?}", feeds(&gw).await);
+    for i in 0..8u32 {
+        let reply = post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &chat(i)).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        assert_eq!(
+            reply.rank,
+            Some(u64::from(i % 2)),
+            "chat {i} went elsewhere: {}",
+            reply.text
+        );
+        let usage = &reply.json["usage"];
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            usage["prompt_tokens"].as_u64().map(|n| n - 1),
+            "{usage}"
+        );
+    }
+}

@@ -171,9 +171,15 @@ where
     check().await
 }
 
-/// The pinned Python packages the end-to-end tests drive the gateway with: the OpenAI SDK, and pyzmq and msgspec
-/// for a KV event publisher written as vLLM writes its own.
-pub const PYTHON_REQUIREMENTS: &[&str] = &["openai==3.57.0", "pyzmq==26.4.0", "msgspec==0.19.0"];
+/// The pinned Python packages the end-to-end tests use: the OpenAI SDK to drive the gateway, pyzmq and msgspec for
+/// a KV event publisher written as vLLM writes its own, jinja2 and tokenizers for the reference tokenization.
+pub const PYTHON_REQUIREMENTS: &[&str] = &[
+    "openai==3.57.0",
+    "pyzmq==26.4.0",
+    "msgspec==0.19.0",
+    "jinja2==3.1.6",
+    "tokenizers==0.22.1",
+];
 
 /// A Python interpreter with [`PYTHON_REQUIREMENTS`] installed: a virtual environment under the target directory,
 /// created and filled on first use (so `cargo test` needs only `python3` and the package index, never the system's

@@ -293,6 +293,12 @@ pub struct GatewayConfig {
     /// the same endpoint under `prefix_affinity` and `cache_aware`, as OpenAI's `prompt_cache_key` body field does
     /// (which wins when both are given). Unset: no header is read.
     pub session_header: Option<String>,
+    /// A model directory (`tokenizer.json`, `tokenizer_config.json`) whose tokenizer and chat template key text
+    /// and chat prompts on the token ids the engine caches (`docs/gateway.md`, "Token-exact keys"); for every
+    /// model without its own in `tokenizers`. Unset: prompts are keyed on their bytes.
+    pub tokenizer: Option<std::path::PathBuf>,
+    /// Per served model name, its model directory, as `tokenizer`.
+    pub tokenizers: std::collections::BTreeMap<String, std::path::PathBuf>,
     /// Model names clients may use for another, served one (`"gpt-4o" = "smollm2"`): the request is routed to the
     /// workers serving the served name, which the worker gets in the body.
     pub model_aliases: std::collections::BTreeMap<String, String>,
@@ -328,6 +334,8 @@ impl Default for GatewayConfig {
             allow_client_overrides: true,
             session_header: None,
             model_aliases: Default::default(),
+            tokenizer: None,
+            tokenizers: Default::default(),
             retries: 2,
             connect_timeout_ms: 2000,
             upstream_ca_file: None,

@@ -19,6 +19,7 @@ pub mod server;
 pub mod state;
 pub mod telemetry;
 pub mod tls;
+pub mod tokens;
 pub mod upstream;
 
 pub use config::{Backend, GatewayConfig, RankField, WorkerConfig};

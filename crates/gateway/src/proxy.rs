@@ -237,11 +237,17 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         _ => None,
     };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
-    route.now_us = crate::clock::now_us();
     // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     let policy = state.policy_for(known.or(membership.sole_model()));
+    if let Some(tokenizer) = state
+        .tokenizers
+        .for_model(served.as_deref().or(membership.sole_model()))
+    {
+        crate::tokens::exact_prompt(tokenizer, &bytes, &mut route).await;
+    }
+    route.now_us = crate::clock::now_us();
     let home = previous_response_id
         .filter(|_| responses_api)
         .and_then(|id| state.responses.home(&id));

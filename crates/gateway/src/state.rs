@@ -23,6 +23,8 @@ pub struct AppState {
     pub upstream: Upstream,
     /// TLS on the listener, when the config has a certificate.
     pub tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
+    /// The models' tokenizers, for token-exact keys.
+    pub tokenizers: crate::tokens::Tokenizers,
     /// Each KV event feed's status (precise mode).
     pub kv_feeds: crate::kv_events::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
@@ -70,6 +72,8 @@ impl AppState {
                 _ => None,
             },
             kv_feeds: Default::default(),
+            tokenizers: crate::tokens::Tokenizers::load(&config)
+                .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?,
             responses: Arc::new(crate::responses::ResponseHomes::new(crate::responses::REMEMBERED)),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),

@@ -184,13 +184,25 @@ fn bad(message: impl Into<String>) -> Response {
 }
 
 /// Parses a generation request; `prior` is the conversation a Responses request continues.
-fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8], prior: Option<String>) -> Result<Job, String> {
+fn parse_job(
+    kind: Kind,
+    api: Api,
+    tokenizer: Option<&dprouter_tokenize::ModelTokenizer>,
+    headers: &HeaderMap,
+    body: &[u8],
+    prior: Option<String>,
+) -> Result<Job, String> {
     let value: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let req = parse_request(&value).map_err(|e| e.to_string())?;
     let mut responses_prompt = None;
-    let tokens = match (&req.prompt, kind) {
-        (Prompt::Tokens(ids), _) => ids.clone(),
-        (Prompt::Bytes(b), Kind::Responses) => {
+    let tokens = match (&req.prompt, kind, tokenizer) {
+        (Prompt::Tokens(ids), _, _) => ids.clone(),
+        // With a model's tokenizer: its chat template, and its tokens, as an engine serving the model has them.
+        (Prompt::Bytes(_), Kind::Chat, Some(t)) => {
+            t.chat_ids(&value["messages"], value.get("tools").filter(|v| !v.is_null()))?
+        }
+        (Prompt::Bytes(b), Kind::Generate | Kind::Completion, Some(t)) => t.text_ids(&String::from_utf8_lossy(b))?,
+        (Prompt::Bytes(b), Kind::Responses, _) => {
             // The conversation so far, then the request rendered as a chat (a lone string input is the user's
             // message), then the generation prompt.
             let chat = value.get("instructions").is_some_and(|v| !v.is_null())
@@ -206,7 +218,7 @@ fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8], prior: Opti
             responses_prompt = Some(prompt);
             tokens
         }
-        (Prompt::Bytes(_), Kind::Chat) => {
+        (Prompt::Bytes(_), Kind::Chat, None) => {
             // The fixed chat template: the canonical rendering plus the generation prompt.
             let mut text = render_chat(value.get("tools").filter(|t| !t.is_null()), &value["messages"])
                 .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -214,7 +226,7 @@ fn parse_job(kind: Kind, api: Api, headers: &HeaderMap, body: &[u8], prior: Opti
             text.push_str("<|assistant|>\n");
             encode(&text)
         }
-        (Prompt::Bytes(b), _) => encode(&String::from_utf8_lossy(b)),
+        (Prompt::Bytes(b), _, _) => encode(&String::from_utf8_lossy(b)),
     };
     let max = match kind {
         Kind::Generate => value.pointer("/sampling_params/max_new_tokens"),
@@ -371,7 +383,8 @@ async fn embeddings(State(s): State<AppState>, body: Bytes) -> Response {
 }
 
 async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], prior: Option<String>) -> Response {
-    let job = match parse_job(kind, s.engine.config().api, headers, body, prior) {
+    let config = s.engine.config();
+    let job = match parse_job(kind, config.api, config.tokenizer.as_deref(), headers, body, prior) {
         Ok(job) => job,
         Err(message) => return bad(message),
     };

@@ -69,6 +69,8 @@ pub struct EngineConfig {
     pub seed: u64,
     /// Keep each rank's KV cache events for a publisher.
     pub kv_events: bool,
+    /// Tokenize text and chat prompts with a model's own tokenizer and chat template instead of the mock's.
+    pub tokenizer: Option<Arc<dprouter_tokenize::ModelTokenizer>>,
 }
 
 impl Default for EngineConfig {
@@ -82,6 +84,7 @@ impl Default for EngineConfig {
             faults: Faults::default(),
             seed: 0,
             kv_events: false,
+            tokenizer: None,
         }
     }
 }
