@@ -290,6 +290,22 @@ async fn a_vllm_style_publisher_written_in_python_is_followed() {
         f["restarts"] == json!(1) && f["router_blocks"] == json!(2)
     });
     assert!(restarted.await, "{}", feed().await);
+    // Garbage (a truncated batch, an unknown event type): approximate mode, counted, then precise again with the
+    // next stored blocks; routing goes on throughout.
+    python.run("garbage");
+    let recovered = eventually(Duration::from_secs(10), || async {
+        let f = feed().await;
+        f["decode_errors"] == json!(2) && f["precise"] == json!(true) && f["router_blocks"] == json!(1)
+    });
+    assert!(recovered.await, "{}", feed().await);
+    let reply = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &generate(&python_tokens(7, 20), None),
+    )
+    .await;
+    assert_eq!((reply.status, reply.rank), (StatusCode::OK, Some(0)), "{}", reply.text);
     let silent_feed = feeds(&gw).await.into_iter().find(|f| f["endpoint"] == json!("w0r1"));
     assert!(
         silent_feed.as_ref().is_none_or(|f| f["batches"] == json!(0)),

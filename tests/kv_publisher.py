@@ -7,6 +7,7 @@ Usage: python3 kv_publisher.py. It binds a PUB and a ROUTER (replay) socket on f
 - `script`: publishes batches 0 to 5 (see below), skipping batch 3 on the live socket (a gap the replay fills);
 - `restart`: closes both sockets, binds the same ports again and publishes batches 0 and 1 of a new life (a
   restarted engine), 1.5 s apart;
+- `garbage`: publishes a truncated batch, a batch with an unknown event type, then BlockStored G[0:16];
 - `quit`.
 
 After each command it prints `done`. The batches (block size 4; token ids given by `tokens(seed, n)`):
@@ -104,8 +105,9 @@ class Publisher:
             return port
         return socket.bind_to_random_port("tcp://127.0.0.1")
 
-    def publish(self, events, live=True):
-        payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
+    def publish(self, events, live=True, payload=None):
+        if payload is None:
+            payload = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0))
         seq = self.seq.to_bytes(8, "big")
         self.buffer.append((seq, payload))
         if live:
@@ -158,6 +160,13 @@ def main():
                 publisher.serve_replays()
                 time.sleep(0.02)
             publisher.publish([stored(list(range(600, 604)), None, tokens(6, 16))])
+        elif line == "garbage":
+            good = msgspec.msgpack.encode(KVEventBatch(ts=time.time(), events=[stored([1], None, tokens(8, 4))]))
+            publisher.publish(None, payload=good[: len(good) // 2])
+            time.sleep(0.05)
+            publisher.publish(None, payload=msgspec.msgpack.encode([time.time(), [["BlockMoved", [1]]], 0]))
+            time.sleep(0.05)
+            publisher.publish([stored(list(range(700, 704)), None, tokens(7, 16))])
         elif line in ("quit", ""):
             publisher.close()
             return

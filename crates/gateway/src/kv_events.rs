@@ -6,11 +6,13 @@
 //! and each of its worker's models'), which `cache_aware` applies ([`dprouter_core::policy::Policy::engine_cache`]).
 //!
 //! Sequence numbers are checked ([`classify`]): a batch after a gap is preceded by a replay of the missing ones
-//! from the worker's replay endpoint when one is configured; a gap that cannot be filled, a batch that cannot be
-//! decoded, or an engine that publishes more blocks than are followed empties the endpoint's index (`Cleared`:
-//! the router then knows only what later events say, and misses rather than believes stale blocks). A batch whose
-//! sequence number is not past the last one applied is a duplicate (the live stream overlapping a replay) when it
-//! is not newer either, and otherwise an engine that restarted, with an empty cache. On subscribing, the feed
+//! from the worker's replay endpoint when one is configured. Events that are lost (a gap that cannot be filled, a
+//! batch that cannot be decoded: truncated, an unknown event type) or too many to follow put the endpoint back in
+//! approximate mode (`Untracked`: its index entries stay, as guesses, and its decisions are no longer provisional)
+//! and the feed starts following afresh; the next stored blocks make it precise again. `GET /kv_events` and
+//! `dprouter_kv_event_errors_total` say so. A batch whose sequence number is not past the last one applied is a
+//! duplicate (the live stream overlapping a replay) when it is not newer either, and otherwise an engine that
+//! restarted, with an empty cache (`Cleared`). On subscribing, the feed
 //! replays whatever the engine still holds from sequence 0, so a gateway that starts after the engine learns its
 //! cache as far as the engine's replay buffer reaches. A publisher that is down is retried every second; one that
 //! never publishes leaves its endpoint in approximate mode. Nothing here blocks routing: the policies' lock is
@@ -65,6 +67,8 @@ pub struct FeedStatus {
     /// Stored blocks whose parent was never seen (events before the subscription, or lost).
     pub orphans: u64,
     pub overflows: u64,
+    /// The endpoint's index follows the events (false: approximate, after lost events or before any).
+    pub precise: bool,
 }
 
 /// Every feed's status, by endpoint.
@@ -220,10 +224,17 @@ impl Feed {
         }
     }
 
-    /// Forgets what the events said: the endpoint holds only what later events say.
+    /// The engine's cache is empty (it restarted): so is the endpoint's index.
     fn clear(&mut self) {
         self.blocks.clear();
         self.deliver(&CacheChange::Cleared);
+    }
+
+    /// Events were lost: the endpoint is approximate until the next stored blocks, followed afresh.
+    fn untrack(&mut self) {
+        self.blocks.clear();
+        self.deliver(&CacheChange::Untracked);
+        self.status(|s| s.precise = false);
     }
 
     async fn run(mut self) {
@@ -267,10 +278,10 @@ impl Feed {
         let batch = match decode_batch(payload) {
             Ok(batch) => batch,
             Err(e) => {
-                tracing::warn!(endpoint = %self.endpoint, seq, error = %e, "KV events: a batch could not be read: index emptied");
+                tracing::warn!(endpoint = %self.endpoint, seq, error = %e, "KV events: a batch could not be read: approximate mode");
                 self.count("decode");
                 self.status(|s| s.decode_errors += 1);
-                self.clear();
+                self.untrack();
                 let ts = self.last.map_or(0.0, |(_, ts)| ts);
                 self.last = Some((seq, ts));
                 return;
@@ -294,8 +305,8 @@ impl Feed {
                 self.count("gap");
                 self.status(|s| s.gaps += 1);
                 if !self.replay_range(from, to).await {
-                    tracing::warn!(endpoint = %self.endpoint, from, to, "KV events: missed batches could not be replayed: index emptied");
-                    self.clear();
+                    tracing::warn!(endpoint = %self.endpoint, from, to, "KV events: missed batches could not be replayed: approximate mode");
+                    self.untrack();
                 }
             }
         }
@@ -307,16 +318,21 @@ impl Feed {
         let (mut orphans, mut overflow) = (0, false);
         for event in &batch.events {
             match self.blocks.apply(event) {
-                Ok(Some(change)) => self.deliver(&change),
+                Ok(Some(change)) => {
+                    self.deliver(&change);
+                    if !matches!(change, CacheChange::Untracked) {
+                        self.status(|s| s.precise = true);
+                    }
+                }
                 Ok(None) => {}
                 Err(FollowError::Orphan) => orphans += 1,
                 Err(FollowError::TooMany(_)) => overflow = true,
             }
         }
         if overflow {
-            tracing::warn!(endpoint = %self.endpoint, max = MAX_ENGINE_BLOCKS, "KV events: too many engine blocks to follow: index emptied");
+            tracing::warn!(endpoint = %self.endpoint, max = MAX_ENGINE_BLOCKS, "KV events: too many engine blocks to follow: approximate mode");
             self.count("overflow");
-            self.clear();
+            self.untrack();
         }
         if orphans > 0 {
             self.count_n("orphan", orphans);
@@ -360,7 +376,7 @@ impl Feed {
                 Err(_) => {
                     self.count("decode");
                     self.status(|s| s.decode_errors += 1);
-                    self.clear();
+                    self.untrack();
                     return false;
                 }
             }
