@@ -268,6 +268,9 @@ async fn readiness(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
+    for (endpoint, feed) in state.kv_feeds.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        metrics::gauge!(telemetry::KV_EVENT_BLOCKS, "endpoint" => endpoint.to_string()).set(feed.router_blocks as f64);
+    }
     let text = telemetry::render(&state.registry.membership());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

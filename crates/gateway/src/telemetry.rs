@@ -13,6 +13,7 @@
 //! | `dprouter_prompt_tokens_total`, `dprouter_cached_tokens_total` | counter | `endpoint` (from engine usage reports; their ratio is the observed cache hit rate) |
 //! | `dprouter_cache_prediction_error_tokens` | histogram | `endpoint` (the policy's predicted cached tokens minus the engine's report, absolute) |
 //! | `dprouter_kv_event_batches_total` | counter | `endpoint` (KV event batches applied) |
+//! | `dprouter_kv_event_blocks` | gauge | `endpoint` (router blocks the endpoint holds, as its KV events tell) |
 //! | `dprouter_kv_event_errors_total` | counter | `endpoint`, `kind` (`gap`, `restart`, `decode`, `orphan`, `overflow`, `replay`, `frames`) |
 
 use std::sync::OnceLock;
@@ -34,6 +35,7 @@ pub const CACHED_TOKENS: &str = "dprouter_cached_tokens_total";
 pub const PREDICTION_ERROR: &str = "dprouter_cache_prediction_error_tokens";
 pub const KV_EVENT_BATCHES: &str = "dprouter_kv_event_batches_total";
 pub const KV_EVENT_ERRORS: &str = "dprouter_kv_event_errors_total";
+pub const KV_EVENT_BLOCKS: &str = "dprouter_kv_event_blocks";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -51,6 +53,7 @@ pub const ALL: &[&str] = &[
     PREDICTION_ERROR,
     KV_EVENT_BATCHES,
     KV_EVENT_ERRORS,
+    KV_EVENT_BLOCKS,
 ];
 
 const TOKEN_BUCKETS: &[f64] = &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0];
