@@ -379,7 +379,7 @@ async fn soak() {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
-                if scrape_secs > 0 && samples.len() as u64 % scrape_secs == 0 {
+                if scrape_secs > 0 && (samples.len() as u64).is_multiple_of(scrape_secs) {
                     metrics_in_flight(&c, &gw).await;
                 }
                 let e = endpoints(&c, &gw).await;

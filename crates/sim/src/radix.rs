@@ -486,7 +486,7 @@ mod tests {
                     live += 1;
                     size += node.label.len();
                     assert!(
-                        !node.label.is_empty() && node.label.len() % self.page == 0,
+                        !node.label.is_empty() && node.label.len().is_multiple_of(self.page),
                         "label {:?}",
                         node.label
                     );

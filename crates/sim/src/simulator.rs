@@ -273,7 +273,7 @@ pub fn simulate_replicas(
             Event::DecodeDue(wakeup) if wakeup == sim.decode_wakeup => {
                 for slot in sim.decode.take_due(now) {
                     sim.decode_done(slot, now);
-                    if sim.outcome.records.len() % 256 == 0 {
+                    if sim.outcome.records.len().is_multiple_of(256) {
                         on_progress(sim.outcome.records.len());
                     }
                 }
