@@ -11,8 +11,21 @@ use common::{client, eventually, get, post, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
+/// A gateway whose `cache_aware` (16-token blocks) follows `engine`'s KV events (its endpoints read from its
+/// `/get_server_info`); `top` goes at the top of its config.
+async fn following_gateway(engine: &Proc, name: &str, top: &str) -> Proc {
+    let info = get(&client(), &format!("{}/get_server_info", engine.url)).await.json;
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("kv-events-{name}.toml"));
+    let toml = format!(
+        "{top}\n[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
+        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
+    );
+    std::fs::write(&config, toml).unwrap();
+    Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()])
+}
+
 /// A mock engine publishing its events (free ports, listed in `/get_server_info`), and a gateway following them.
-async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc, Value) {
+async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc) {
     let engine = Proc::engine(&[
         "--dp-size",
         "2",
@@ -23,15 +36,8 @@ async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc, Value) {
         "--kv-events-encoding",
         encoding,
     ]);
-    let info = get(&client(), &format!("{}/get_server_info", engine.url)).await.json;
-    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("kv-events-{name}.toml"));
-    let toml = format!(
-        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\nbackend = \"sglang\"\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
-        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
-    );
-    std::fs::write(&config, toml).unwrap();
-    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
-    (engine, gw, info)
+    let gw = following_gateway(&engine, name, "").await;
+    (engine, gw)
 }
 
 fn ids(seed: u32, len: u32) -> Vec<u32> {
@@ -59,7 +65,7 @@ async fn feeds(gw: &Proc) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_index_follows_what_the_engine_caches_behind_the_gateways_back() {
     for encoding in ["positional", "named"] {
-        let (engine, gw, _) = engine_and_gateway(encoding, encoding).await;
+        let (engine, gw) = engine_and_gateway(encoding, encoding).await;
         let c = client();
         let subscribed = eventually(Duration::from_secs(10), || async {
             let feeds = feeds(&gw).await;
@@ -143,14 +149,7 @@ async fn a_late_gateway_learns_the_cache_from_the_replay() {
     )
     .await;
     assert_eq!(seeded.status, StatusCode::OK);
-    let info = get(&c, &format!("{}/get_server_info", engine.url)).await.json;
-    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-late.toml");
-    let toml = format!(
-        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
-        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
-    );
-    std::fs::write(&config, toml).unwrap();
-    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let gw = following_gateway(&engine, "late", "").await;
     let learned = eventually(Duration::from_secs(10), || async {
         feeds(&gw)
             .await
@@ -332,14 +331,7 @@ async fn chats_keyed_on_the_models_tokens_meet_the_engines_events() {
         "tcp://127.0.0.1:0",
     ]);
     let c = client();
-    let info = get(&c, &format!("{}/get_server_info", engine.url)).await.json;
-    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-chat.toml");
-    let toml = format!(
-        "tokenizer = {model:?}\n[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\nkv_events_replay = {}\n",
-        engine.url, info["kv_events_endpoints"], info["kv_events_replay_endpoints"]
-    );
-    std::fs::write(&config, toml).unwrap();
-    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let gw = following_gateway(&engine, "chat", &format!("tokenizer = {model:?}")).await;
     let chat = |i: u32| {
         json!({"model": "m", "max_tokens": 1, "messages": [
             {"role": "system", "content": format!("You are assistant number {i}. ").repeat(20)},
