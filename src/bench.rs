@@ -41,6 +41,9 @@ enum ApiArg {
     Generate,
     /// `POST /v1/completions` with the token ids as `prompt`: any OpenAI-compatible server (vLLM, llama.cpp).
     Completions,
+    /// `POST /v1/chat/completions` with one user message, a word per token id: any OpenAI-compatible server, through
+    /// its chat template.
+    Chat,
 }
 
 #[derive(Debug, Args)]
@@ -63,7 +66,7 @@ pub struct BenchArgs {
     /// The API the requests use.
     #[arg(long, value_enum, default_value = "generate")]
     api: ApiArg,
-    /// The `model` of completions requests (vLLM wants the name it serves).
+    /// The `model` of completions and chat requests (vLLM wants the name it serves).
     #[arg(long, default_value = "default")]
     model: String,
     /// The model's vocabulary size, for completions: the workload's token ids are mapped into it (the workload's
@@ -194,6 +197,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                     ApiArg::Completions => Api::Completions {
                         model: args.model.clone(),
                         vocab: args.vocab,
+                    },
+                    ApiArg::Chat => Api::Chat {
+                        model: args.model.clone(),
                     },
                 },
                 seed: args.seed,

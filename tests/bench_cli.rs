@@ -98,9 +98,16 @@ fn quiet_prints_only_the_results() {
 }
 
 /// `--api completions`: the workload as OpenAI completions with token-id prompts (mapped into `--vocab`), TTFT from
-/// the first chunk with text, cached tokens from the usage report; a closed-loop agent's later turns hit.
+/// the first chunk with text, cached tokens from the usage report; a closed-loop agent's later turns hit. `--api
+/// chat`: the same as chats, one user message of a word per token id, TTFT from the first chunk with content.
 #[test]
-fn completions_reach_an_openai_server_and_read_its_cache_report() {
+fn completions_and_chats_reach_an_openai_server_and_read_its_cache_report() {
+    for api in ["completions", "chat"] {
+        openai_api_run(api);
+    }
+}
+
+fn openai_api_run(api: &str) {
     let out = Command::new(env!("CARGO_BIN_EXE_dprouter"))
         .args([
             "bench",
@@ -113,7 +120,7 @@ fn completions_reach_an_openai_server_and_read_its_cache_report() {
             "--policy",
             "round_robin",
             "--api",
-            "completions",
+            api,
             "--vocab",
             "49152",
             "--quiet",
@@ -132,5 +139,5 @@ fn completions_reach_an_openai_server_and_read_its_cache_report() {
     assert_eq!(row[1], "3", "{stdout}");
     assert_eq!(*row.last().unwrap(), "0", "{stdout}");
     let hit: f64 = row[7].parse().unwrap();
-    assert!(hit > 0.5, "the later turns hit: {stdout}");
+    assert!(hit > 0.5, "{api}: the later turns hit: {stdout}");
 }

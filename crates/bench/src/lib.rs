@@ -3,8 +3,9 @@
 //!
 //! Requests go to `POST /generate` with `input_ids`, `stream: true` ([`Api::Generate`], SGLang's native API), or to
 //! `POST /v1/completions` with the token ids as the `prompt` ([`Api::Completions`], any OpenAI-compatible server:
-//! vLLM, llama.cpp, SGLang); TTFT is the time to the first event that carries output (SGLang's first event, the
-//! first completion chunk with text). Cached tokens come from the engine's usage report, whichever form it takes
+//! vLLM, llama.cpp, SGLang), or to `POST /v1/chat/completions` with one user message whose words stand for the
+//! token ids ([`Api::Chat`]); TTFT is the time to the first event that carries output (SGLang's first event, the
+//! first completion chunk with text, the first chat chunk with content). Cached tokens come from the engine's usage report, whichever form it takes
 //! ([`UsageScanner`]). A completion's output token ids are not returned by OpenAI servers, so a closed-loop
 //! workload's next turn carries the simulator's output tokens for it instead of the engine's: the engine's cache
 //! still holds the previous prompt, not the previous answer.
@@ -55,6 +56,23 @@ pub enum Api {
     /// model refuses ids it does not have, and the first ids are often special tokens). Prompts that share a
     /// prefix still do.
     Completions { model: String, vocab: Option<u32> },
+    /// `POST /v1/chat/completions` naming `model`, with one user message: a word per token id of the prompt
+    /// ([`words`]), so prompts that share a prefix of ids share a prefix of text, and the engine's chat template and
+    /// tokenizer make of it what they make of any chat.
+    Chat { model: String },
+}
+
+/// Three lowercase letters per token id (17,576 words), space-separated: a text that grows as the ids do.
+pub fn words(ids: &[u32]) -> String {
+    let mut text = String::with_capacity(ids.len() * 4);
+    for &id in ids {
+        let n = id % (26 * 26 * 26);
+        for letter in [n / 676, n / 26 % 26, n % 26] {
+            text.push(char::from(b'a' + letter as u8));
+        }
+        text.push(' ');
+    }
+    text
 }
 
 /// The lowest token id a mapped prompt uses.
@@ -144,6 +162,7 @@ pub async fn run(
     let path = match config.api {
         Api::Generate => "/generate",
         Api::Completions { .. } => "/v1/completions",
+        Api::Chat { .. } => "/v1/chat/completions",
     };
     // Several targets (comma-separated): request `i` goes to target `i mod n`, as a load balancer in front of
     // gateway replicas would spread them.
@@ -251,6 +270,15 @@ pub async fn run(
                         "stream": true,
                         "stream_options": {"include_usage": true},
                     }),
+                    Api::Chat { model } => json!({
+                        "model": model,
+                        "messages": [{"role": "user", "content": words(&req.tokens)}],
+                        "max_tokens": req.output_tokens,
+                        "ignore_eos": true,
+                        "temperature": 0,
+                        "stream": true,
+                        "stream_options": {"include_usage": true},
+                    }),
                 };
                 let mut rank = 0;
                 if let Routing::Client { policy, .. } = config.routing {
@@ -273,7 +301,7 @@ pub async fn run(
                 let (client, tx, api) = (client.clone(), done_tx.clone(), config.api.clone());
                 let stand_in = match api {
                     Api::Generate => None,
-                    Api::Completions { .. } => {
+                    Api::Completions { .. } | Api::Chat { .. } => {
                         Some(dprouter_sim::tokens::output(config.seed, req.id, req.output_tokens as usize))
                     }
                 };
@@ -428,7 +456,8 @@ async fn send(
 }
 
 /// Whether the stream so far holds a complete event with output: any event for SGLang's `/generate`; a
-/// completion chunk with non-empty `text` otherwise (the first chunks of some servers carry none).
+/// completion chunk with non-empty `text`, or a chat chunk with non-empty `delta.content`, otherwise (the first
+/// chunks of some servers carry none: a chat's first says only the role).
 fn has_output(buffer: &[u8], any_event: bool) -> bool {
     let text = String::from_utf8_lossy(buffer);
     // Complete events only: those before the last blank line.
@@ -441,7 +470,11 @@ fn has_output(buffer: &[u8], any_event: bool) -> bool {
             any_event
                 || serde_json::from_str::<Value>(e)
                     .ok()
-                    .and_then(|v| v["choices"][0]["text"].as_str().map(|t| !t.is_empty()))
+                    .and_then(|v| {
+                        let choice = &v["choices"][0];
+                        let text = choice["text"].as_str().or(choice["delta"]["content"].as_str());
+                        text.map(|t| !t.is_empty())
+                    })
                     .unwrap_or(false)
         })
 }
