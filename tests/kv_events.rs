@@ -24,18 +24,24 @@ async fn following_gateway(engine: &Proc, name: &str, top: &str) -> Proc {
     Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()])
 }
 
-/// A mock engine publishing its events (free ports, listed in `/get_server_info`), and a gateway following them.
-async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc) {
-    let engine = Proc::engine(&[
+/// A mock engine with two ranks publishing their KV events and serving replays on free ports (listed in its
+/// `/get_server_info`), with `extra` flags.
+fn publishing_engine(extra: &[&str]) -> Proc {
+    let mut args = vec![
         "--dp-size",
         "2",
         "--kv-events",
         "tcp://127.0.0.1:0",
         "--kv-events-replay",
         "tcp://127.0.0.1:0",
-        "--kv-events-encoding",
-        encoding,
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    Proc::engine(&args)
+}
+
+/// A mock engine publishing its events (free ports, listed in `/get_server_info`), and a gateway following them.
+async fn engine_and_gateway(name: &str, encoding: &str) -> (Proc, Proc) {
+    let engine = publishing_engine(&["--kv-events-encoding", encoding]);
     let gw = following_gateway(&engine, name, "").await;
     (engine, gw)
 }
@@ -131,14 +137,7 @@ async fn the_index_follows_what_the_engine_caches_behind_the_gateways_back() {
 /// A gateway that starts after the engine has cached prompts learns them from the engine's replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_gateway_learns_the_cache_from_the_replay() {
-    let engine = Proc::engine(&[
-        "--dp-size",
-        "2",
-        "--kv-events",
-        "tcp://127.0.0.1:0",
-        "--kv-events-replay",
-        "tcp://127.0.0.1:0",
-    ]);
+    let engine = publishing_engine(&[]);
     let c = client();
     let prompt = ids(99, 160);
     let seeded = post(
@@ -320,16 +319,7 @@ async fn a_vllm_style_publisher_written_in_python_is_followed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chats_keyed_on_the_models_tokens_meet_the_engines_events() {
     let model = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/smollm2");
-    let engine = Proc::engine(&[
-        "--dp-size",
-        "2",
-        "--tokenizer",
-        model,
-        "--kv-events",
-        "tcp://127.0.0.1:0",
-        "--kv-events-replay",
-        "tcp://127.0.0.1:0",
-    ]);
+    let engine = publishing_engine(&["--tokenizer", model]);
     let c = client();
     let gw = following_gateway(&engine, "chat", &format!("tokenizer = {model:?}")).await;
     let chat = |i: u32| {

@@ -89,7 +89,9 @@ def script():
 
 class Publisher:
     def __init__(self, ctx, pub_port=0, replay_port=0):
-        self.pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB (the same wire protocol to subscribers) that also tells when a subscriber arrives, so the
+        # script's live batches are not published before anyone listens.
+        self.pub = ctx.socket(zmq.XPUB)
         self.replay = ctx.socket(zmq.ROUTER)
         for s in (self.pub, self.replay):
             s.setsockopt(zmq.LINGER, 0)
@@ -104,6 +106,10 @@ class Publisher:
             socket.bind(f"tcp://127.0.0.1:{port}")
             return port
         return socket.bind_to_random_port("tcp://127.0.0.1")
+
+    def wait_for_subscriber(self, timeout=10.0):
+        if self.pub.poll(int(timeout * 1000)):
+            self.pub.recv()
 
     def publish(self, events, live=True, payload=None):
         if payload is None:
@@ -143,6 +149,7 @@ def main():
             if ready:
                 line = sys.stdin.readline().strip()
         if line == "script":
+            publisher.wait_for_subscriber()
             for i, events in enumerate(script()):
                 publisher.publish(events, live=i != 3)
                 time.sleep(0.05)

@@ -54,6 +54,7 @@ pub struct FeedStatus {
     pub endpoint: String,
     pub publisher: String,
     pub replay: Option<String>,
+    /// Subscribed, and caught up with what the engine's replay held then.
     pub connected: bool,
     pub batches: u64,
     pub last_seq: Option<u64>,
@@ -254,11 +255,12 @@ impl Feed {
                 tokio::time::sleep(RECONNECT).await;
                 continue;
             }
-            self.status(|s| s.connected = true);
             tracing::info!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: subscribed");
-            // What the engine published before (or while) we subscribed, as far as it still holds it.
+            // What the engine published before (or while) we subscribed, as far as it still holds it; the feed
+            // counts as connected once it has caught up.
             let from = self.last.map_or(0, |(seq, _)| seq + 1);
             self.replay_range(from, u64::MAX).await;
+            self.status(|s| s.connected = true);
             while let Ok(message) = socket.recv().await {
                 let frames = message.into_vec();
                 let Some((seq, payload)) = sequenced(&frames) else {
