@@ -5,7 +5,11 @@
 //! with the same closed loop of clients for the same time, and reports the throughput ratio, the latency the
 //! gateway adds at the median and at p99, and the gateway's CPU time per request (from its own
 //! `/proc/PID/stat`, all its threads). Everything shares this machine's cores, so the figures are ratios of one
-//! run, not absolute capacities; `docs/measurements.md` ("Gateway overhead") has the command and a run.
+//! run, not absolute capacities; `docs/operations.md` ("Overhead") has the command and a run.
+//!
+//! With `--nginx PATH` the same loops also run through nginx, configured as a plain keep-alive reverse proxy to
+//! the same engine: a reference for what any proxy costs on the machine (two HTTP hops, four socket operations per
+//! request), which no routing work can go below.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, Command, ExitCode, Stdio};
@@ -42,6 +46,10 @@ pub struct OverheadArgs {
     /// Also write the rows as JSON to this file.
     #[arg(long)]
     json: Option<std::path::PathBuf>,
+    /// Also measure nginx (this binary, e.g. `/usr/sbin/nginx`) as a plain reverse proxy to the same engine, as a
+    /// reference: a row `nginx` under each gateway row.
+    #[arg(long)]
+    nginx: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -103,6 +111,45 @@ struct Row {
     added_p50_us: i64,
     added_p99_us: i64,
     gateway_cpu_us_per_request: f64,
+    /// The same through nginx, with `--nginx`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    nginx: Option<Through>,
+}
+
+/// One proxy's side of a measurement, against the same direct run.
+#[derive(Debug, Serialize)]
+struct Through {
+    side: Side,
+    throughput_ratio: f64,
+    added_p50_us: i64,
+    added_p99_us: i64,
+    cpu_us_per_request: f64,
+}
+
+impl Through {
+    fn new(direct: &Side, side: Side, cpu_ticks: u64, clock_ticks: u64) -> Self {
+        Self {
+            side,
+            throughput_ratio: side.per_s / direct.per_s.max(f64::MIN_POSITIVE),
+            added_p50_us: side.p50_us as i64 - direct.p50_us as i64,
+            added_p99_us: side.p99_us as i64 - direct.p99_us as i64,
+            cpu_us_per_request: cpu_ticks as f64 * 1e6 / clock_ticks as f64 / side.requests.max(1) as f64,
+        }
+    }
+
+    fn print(&self, name: &str, c: usize, direct: &Side) {
+        println!(
+            "{:<16} {:>5} {:>12.0} {:>12.0} {:>6.2} {:>10} {:>10} {:>12.1}",
+            name,
+            c,
+            direct.per_s,
+            self.side.per_s,
+            self.throughput_ratio,
+            self.added_p50_us,
+            self.added_p99_us,
+            self.cpu_us_per_request
+        );
+    }
 }
 
 pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
@@ -121,6 +168,10 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
     let mut serve = vec!["serve", "--listen", "127.0.0.1:0", "--worker", engine.url.as_str()];
     serve.extend(args.gateway_args.iter().map(String::as_str));
     let gateway = Started::start(&serve)?;
+    let nginx = match &args.nginx {
+        Some(path) => Some(Nginx::start(path, &engine.url)?),
+        None => None,
+    };
     let clock_ticks = clock_ticks_per_s();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut rows = Vec::new();
@@ -135,29 +186,33 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
             let direct = runtime.block_on(drive(&engine.url, &body, c, time));
             let before = cpu_ticks(gateway.id())?;
             let through = runtime.block_on(drive(&gateway.url, &body, c, time));
-            let ticks = cpu_ticks(gateway.id())? - before;
-            let cpu_us = ticks as f64 * 1e6 / clock_ticks as f64 / through.requests.max(1) as f64;
+            let gateway_row = Through::new(&direct, through, cpu_ticks(gateway.id())? - before, clock_ticks);
+            gateway_row.print(case.name(), c, &direct);
+            let reference = match &nginx {
+                Some(nginx) => {
+                    let before = nginx.cpu_ticks()?;
+                    let side = runtime.block_on(drive(&nginx.url, &body, c, time));
+                    let row = Through::new(&direct, side, nginx.cpu_ticks()? - before, clock_ticks);
+                    row.print("  nginx", c, &direct);
+                    Some(row)
+                }
+                None => None,
+            };
+            let errors = reference.as_ref().map_or(0, |r| r.side.errors);
             let row = Row {
                 case,
                 concurrency: c,
                 direct,
                 gateway: through,
-                throughput_ratio: through.per_s / direct.per_s.max(f64::MIN_POSITIVE),
-                added_p50_us: through.p50_us as i64 - direct.p50_us as i64,
-                added_p99_us: through.p99_us as i64 - direct.p99_us as i64,
-                gateway_cpu_us_per_request: cpu_us,
+                throughput_ratio: gateway_row.throughput_ratio,
+                added_p50_us: gateway_row.added_p50_us,
+                added_p99_us: gateway_row.added_p99_us,
+                gateway_cpu_us_per_request: gateway_row.cpu_us_per_request,
+                nginx: reference,
             };
-            println!(
-                "{:<16} {:>5} {:>12.0} {:>12.0} {:>6.2} {:>10} {:>10} {:>12.1}",
-                case.name(),
-                c,
-                direct.per_s,
-                through.per_s,
-                row.throughput_ratio,
-                row.added_p50_us,
-                row.added_p99_us,
-                cpu_us
-            );
+            if errors > 0 {
+                println!("  errors: {errors} through nginx");
+            }
             if direct.errors + through.errors > 0 {
                 println!(
                     "  errors: {} direct, {} through the gateway",
@@ -283,14 +338,106 @@ impl Drop for Started {
     }
 }
 
+/// nginx as a plain keep-alive reverse proxy (two worker processes, as the gateway has two runtime threads on this
+/// machine's two cores; no buffering of answers, as a streaming gateway must), in a temporary folder of its own;
+/// stopped when dropped.
+struct Nginx {
+    child: Child,
+    url: String,
+    folder: std::path::PathBuf,
+}
+
+impl Nginx {
+    fn start(binary: &std::path::Path, engine_url: &str) -> anyhow::Result<Self> {
+        let engine = engine_url.trim_start_matches("http://");
+        // A free port, asked of the kernel and released for nginx to take (a race only another program could win).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let folder = std::env::temp_dir().join(format!("dprouter-overhead-nginx-{}", std::process::id()));
+        std::fs::create_dir_all(&folder)?;
+        let dir = folder.display();
+        let config = format!(
+            "daemon off;\nworker_processes 2;\nerror_log stderr error;\npid {dir}/nginx.pid;\n\
+             events {{ worker_connections 4096; }}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {dir}/body;\n  proxy_temp_path {dir}/proxy;\n\
+             \x20 fastcgi_temp_path {dir}/fastcgi;\n  uwsgi_temp_path {dir}/uwsgi;\n  scgi_temp_path {dir}/scgi;\n\
+             \x20 upstream engine {{ server {engine}; keepalive 512; }}\n\
+             \x20 server {{\n    listen 127.0.0.1:{port};\n    client_max_body_size 16m;\n\
+             \x20   client_body_buffer_size 1m;\n    location / {{\n      proxy_pass http://engine;\n\
+             \x20     proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n\
+             \x20   }}\n  }}\n}}\n"
+        );
+        let config_path = folder.join("nginx.conf");
+        std::fs::write(&config_path, config)?;
+        let child = Command::new(binary)
+            .arg("-p")
+            .arg(&folder)
+            .arg("-c")
+            .arg(&config_path)
+            .arg("-e")
+            .arg("stderr")
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", binary.display()))?;
+        let nginx = Self {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            folder,
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("nginx did not listen on 127.0.0.1:{port} within 10 s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(nginx)
+    }
+
+    /// CPU time of the master and its worker processes.
+    fn cpu_ticks(&self) -> anyhow::Result<u64> {
+        let master = self.child.id();
+        let mut total = cpu_ticks(master)?;
+        for entry in std::fs::read_dir("/proc")?.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else {
+                continue;
+            };
+            if stat_field(pid, 4) == Some(u64::from(master)) {
+                total += cpu_ticks(pid).unwrap_or(0);
+            }
+        }
+        Ok(total)
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        // SIGKILL to the master leaves its workers running: ask it to stop (SIGQUIT through `kill`), then make sure.
+        let _ = Command::new("kill")
+            .arg("-QUIT")
+            .arg(self.child.id().to_string())
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.folder);
+    }
+}
+
+/// Field `n` (1-based, as in proc(5)) of `/proc/PID/stat`, for the numeric fields after the command name.
+fn stat_field(pid: u32, n: usize) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is parenthesized and may hold spaces: count fields after its closing parenthesis.
+    let after = stat.rsplit_once(')')?.1;
+    after.split_whitespace().nth(n.checked_sub(3)?)?.parse().ok()
+}
+
 /// User plus system CPU time of a process, all its threads, in clock ticks (`/proc/PID/stat` fields 14 and 15).
 fn cpu_ticks(pid: u32) -> anyhow::Result<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).context("reading the gateway's CPU time")?;
-    // The command name (field 2) is parenthesized and may hold spaces: count fields after its closing parenthesis.
-    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or_default();
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-    Ok(field(14) + field(15))
+    let user = stat_field(pid, 14).context("reading a process's CPU time")?;
+    Ok(user + stat_field(pid, 15).unwrap_or(0))
 }
 
 /// The kernel's clock ticks per second for `/proc` CPU times (`getconf CLK_TCK`; 100 on Linux unless told).

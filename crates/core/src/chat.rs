@@ -9,21 +9,37 @@ use std::fmt;
 
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use crate::prompt::{self, PromptError};
 use crate::request_body::Key;
 
-/// Renders `tools` and the raw `messages` member of a request.
-pub(crate) fn render(tools: Option<&Value>, messages: &RawValue) -> Result<Vec<u8>, PromptError> {
-    let Messages(messages) =
-        serde_json::from_str(messages.get()).map_err(|e| PromptError::InvalidJson(e.to_string()))?;
+/// Renders `tools` and a request's `messages` member, read as it was parsed (in the same pass as the body's other
+/// members: [`crate::request_body`]).
+pub(crate) fn render(tools: Option<&Value>, Messages(messages): Messages<'_>) -> Result<Vec<u8>, PromptError> {
     let messages = messages.ok_or(PromptError::Field {
         field: "messages",
         expected: "an array of messages",
     })?;
-    let mut out = String::new();
+    // Room for the roles and string contents, so that a long prompt is not moved as it grows.
+    let text: usize = messages
+        .iter()
+        .map(|m| match m {
+            Message::Object { role, content, .. } => {
+                let role = match role {
+                    Some(Text::Str(r)) => r.len(),
+                    _ => 0,
+                };
+                let content = match content {
+                    Some(Content::Str(c)) => c.len(),
+                    _ => 0,
+                };
+                role + content + 8
+            }
+            Message::NotObject => 0,
+        })
+        .sum();
+    let mut out = String::with_capacity(text);
     prompt::render_tools(tools, &mut out)?;
     for message in messages {
         render_message(message, &mut out)?;
@@ -65,7 +81,7 @@ fn render_message(message: Message<'_>, out: &mut String) -> Result<(), PromptEr
 }
 
 /// `messages`: an array of messages, or (`None`) anything else.
-struct Messages<'a>(Option<Vec<Message<'a>>>);
+pub(crate) struct Messages<'a>(Option<Vec<Message<'a>>>);
 
 /// One message: an object (its last `role` and `content`, and its other fields), or anything else.
 enum Message<'a> {

@@ -7,8 +7,8 @@
 //! and the errors are exactly those of [`crate::prompt::parse_request`] (same precedence, same messages), which
 //! the tests check against each other.
 //!
-//! Cost: one validating pass over the bytes (nested values are checked, not built), plus parsing the routing
-//! fields themselves.
+//! Cost: one validating pass over the bytes (nested values are checked, not built; a chat's `messages` are read
+//! for rendering in that same pass), plus parsing the other routing fields themselves.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -52,7 +52,24 @@ pub struct Layout {
 /// One top-level member: its key (unescaped) and its raw value.
 struct Member<'a> {
     key: Cow<'a, str>,
-    value: &'a RawValue,
+    value: Value_<'a>,
+}
+
+/// A member's value: raw, or (the first `messages` member only) read for rendering as it was parsed, which spares
+/// a second pass over what is most of a chat body's bytes.
+enum Value_<'a> {
+    Raw(&'a RawValue),
+    /// Taken out for rendering once the members are all read.
+    Messages(Option<crate::chat::Messages<'a>>),
+}
+
+impl<'a> Member<'a> {
+    fn raw(&self) -> Option<&'a RawValue> {
+        match self.value {
+            Value_::Raw(raw) => Some(raw),
+            Value_::Messages(_) => None,
+        }
+    }
 }
 
 /// Every top-level member of an object, in order, values unparsed.
@@ -89,9 +106,15 @@ impl<'de> Deserialize<'de> for Members<'de> {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut members = Vec::new();
+                let mut members: Vec<Member<'de>> = Vec::new();
+                let mut messages_read = false;
                 while let Some(Key(key)) = map.next_key()? {
-                    let value: &'de RawValue = map.next_value()?;
+                    let value = if key == "messages" && !messages_read {
+                        messages_read = true;
+                        Value_::Messages(Some(map.next_value()?))
+                    } else {
+                        Value_::Raw(map.next_value()?)
+                    };
                     members.push(Member { key, value });
                 }
                 Ok(Members(members))
@@ -105,12 +128,17 @@ impl<'de> Deserialize<'de> for Members<'de> {
 /// checked); either way they never reach the worker ([`Layout::forwarded`]).
 pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, PromptError> {
     let text = std::str::from_utf8(bytes).map_err(|e| PromptError::InvalidJson(format!("invalid UTF-8: {e}")))?;
-    let Members(members) = serde_json::from_str(text).map_err(|e| match e.classify() {
+    let Members(mut members) = serde_json::from_str(text).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => PromptError::NotAnObject,
         _ => PromptError::InvalidJson(e.to_string()),
     })?;
+    let spans = spans(text, &members);
+    let messages = members.iter_mut().find_map(|m| match &mut m.value {
+        Value_::Messages(parsed) => parsed.take(),
+        Value_::Raw(_) => None,
+    });
     let field = |name: &str| -> Result<Option<&RawValue>, PromptError> {
-        let mut found = members.iter().filter(|m| m.key == name).map(|m| m.value);
+        let mut found = members.iter().filter(|m| m.key == name).filter_map(Member::raw);
         let first = found.next();
         if found.next().is_some() {
             return Err(PromptError::Duplicate(name.to_owned()));
@@ -128,7 +156,7 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         } else {
             prompt::single_string(&value(p)?, "prompt")?
         }
-    } else if let Some(messages) = field("messages")? {
+    } else if let Some(messages) = chat_messages(&members, &spans, text, messages)? {
         let tools = field("tools")?.map(value).transpose()?;
         Prompt::Bytes(crate::chat::render(tools.as_ref(), messages)?)
     } else if let Some(input) = field("input")? {
@@ -160,23 +188,13 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
             expected: "a non-negative integer",
         })?);
     }
-    let base = text.as_ptr() as usize;
-    let mut spans = Vec::with_capacity(members.len());
-    let mut from = 0;
-    for m in &members {
-        let start = m.value.get().as_ptr() as usize - base;
-        let end = start + m.value.get().len();
-        // The member starts at its key: the first quote after the previous member (or the opening brace).
-        let key_start = from + text[from..start].find('"').unwrap_or(0);
-        spans.push(key_start..end);
-        from = end;
-    }
     // As the engine reads it (the last one, if repeated); anything but a string is left to the engine to refuse.
     let model = members
         .iter()
         .rev()
         .find(|m| m.key == "model")
-        .and_then(|m| serde_json::from_str::<String>(m.value.get()).ok());
+        .and_then(Member::raw)
+        .and_then(|v| serde_json::from_str::<String>(v.get()).ok());
     let previous_response_id = field("previous_response_id")?.and_then(|v| serde_json::from_str(v.get()).ok());
     Ok(RequestBody {
         route,
@@ -191,6 +209,74 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
             members: spans,
         },
     })
+}
+
+/// Byte range of each member (`"key": value`) in `text`, the object the members were read from.
+///
+/// A raw value is a slice of `text`, so its end is known; a member starts at its key, the first quote after the
+/// previous member (or the opening brace). The `messages` member read for rendering has no slice: it ends at
+/// the last non-blank byte before the comma that precedes the next member's key (found backwards from that
+/// member's raw value), or before the closing brace. Only the first `messages` is read so, so the member after
+/// it is always raw.
+fn spans(text: &str, members: &[Member<'_>]) -> Vec<Range<usize>> {
+    let base = text.as_ptr() as usize;
+    let mut spans = Vec::with_capacity(members.len());
+    let mut from = 0;
+    for (i, m) in members.iter().enumerate() {
+        let key_start = from + text[from..].find('"').unwrap_or(0);
+        let end = match m.raw() {
+            Some(raw) => raw.get().as_ptr() as usize - base + raw.get().len(),
+            None => {
+                let next = match members.get(i + 1).and_then(Member::raw) {
+                    Some(raw) => key_start_before(text, raw.get().as_ptr() as usize - base),
+                    None => text.trim_end().len().saturating_sub(1),
+                };
+                let before = text[..next].trim_end();
+                before.strip_suffix(',').unwrap_or(before).trim_end().len()
+            }
+        };
+        spans.push(key_start..end);
+        from = end;
+    }
+    spans
+}
+
+/// Where the key of the member whose value starts at `value_start` begins: back over `"key" :`, where the key's
+/// opening quote is the first quote found backwards that an even number of backslashes precedes.
+fn key_start_before(text: &str, value_start: usize) -> usize {
+    let bytes = text.as_bytes();
+    let colon = text[..value_start].trim_end().len().saturating_sub(1);
+    let closing = text[..colon].trim_end().len().saturating_sub(1);
+    let mut at = closing;
+    while let Some(quote) = bytes[..at].iter().rposition(|&b| b == b'"') {
+        let backslashes = bytes[..quote].iter().rev().take_while(|&&b| b == b'\\').count();
+        if backslashes % 2 == 0 {
+            return quote;
+        }
+        at = quote;
+    }
+    0
+}
+
+/// The chat's `messages`, read in the members' pass, with `parse_request`'s rules: absent or `null` is no
+/// messages, and twice is an error.
+fn chat_messages<'a>(
+    members: &[Member<'_>],
+    spans: &[Range<usize>],
+    text: &str,
+    messages: Option<crate::chat::Messages<'a>>,
+) -> Result<Option<crate::chat::Messages<'a>>, PromptError> {
+    let mut found = members.iter().zip(spans).filter(|(m, _)| m.key == "messages");
+    let Some((_, span)) = found.next() else {
+        return Ok(None);
+    };
+    if found.next().is_some() {
+        return Err(PromptError::Duplicate("messages".to_owned()));
+    }
+    // The value after the key's closing quote and the colon.
+    let member = &text[span.clone()];
+    let value = member.split_once(':').map_or("", |(_, v)| v).trim();
+    Ok(messages.filter(|_| value != "null"))
 }
 
 fn value(raw: &RawValue) -> Result<Value, PromptError> {
@@ -364,6 +450,52 @@ mod tests {
         assert!(parse_body(body, true).is_err());
         let parsed = parse_body(body, false).unwrap();
         assert_eq!(parsed.route.rank_override, None);
+    }
+
+    #[test]
+    fn messages_read_in_the_members_pass_keep_their_exact_bytes() {
+        // The member after `messages` has a key with an escaped quote and an escaped backslash, the content holds
+        // colons, commas and braces, and the spacing is odd: the worker gets every byte of every member.
+        let messages = r#"[ {"role": "user", "content": "a: b, }\" ,"} ]"#;
+        let body = format!(
+            r#"{{ "messages" :{messages} ,
+            "k\\\"e\\y\\" : {{"x": ":"}}, "routed_dp_rank": 2, "z":[] }}"#
+        );
+        let parsed = parse_body(body.as_bytes(), true).unwrap();
+        assert_eq!(parsed.route.rank_override, Some(2));
+        assert_eq!(
+            forwarded(&body, None),
+            format!(r#"{{"messages" :{messages},"k\\\"e\\y\\" : {{"x": ":"}},"z":[]}}"#)
+        );
+        let expected = prompt::parse_request(&serde_json::from_str(&body).unwrap()).unwrap();
+        assert_eq!(parsed.route.prompt, expected.prompt);
+        // Last, before blanks and the closing brace.
+        let body = format!(r#"{{"routed_dp_rank": 1, "a": 1, "messages": {messages}   }}"#);
+        assert_eq!(forwarded(&body, None), format!(r#"{{"a": 1,"messages": {messages}}}"#));
+    }
+
+    #[test]
+    fn null_and_repeated_messages_follow_the_tree_parse() {
+        let tree = |body: &str| prompt::parse_request(&serde_json::from_str(body).unwrap());
+        for body in [
+            r#"{"messages": null}"#,
+            r#"{"messages" : null , "input": "x"}"#,
+            r#"{"input_ids": [1], "messages": [], "messages": 5}"#,
+        ] {
+            let view = parse_body(body.as_bytes(), true).map(|b| b.route.prompt);
+            assert_eq!(view, tree(body).map(|r| r.prompt), "{body}");
+        }
+        // A tree keeps the last of repeated keys; the view refuses a repeated routing field.
+        let body =
+            r#"{"messages": [{"role": "user", "content": "a"}], "messages": [{"role": "user", "content": "b"}]}"#;
+        let err = parse_body(body.as_bytes(), true).unwrap_err();
+        assert_eq!(err, PromptError::Duplicate("messages".into()));
+        // Both repeated members reach the worker when another prompt field decides.
+        let body = r#"{"input_ids": [1], "messages": [], "messages": 5}"#;
+        assert_eq!(
+            forwarded(body, None),
+            r#"{"input_ids": [1],"messages": [],"messages": 5}"#
+        );
     }
 
     #[test]
