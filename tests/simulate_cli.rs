@@ -46,6 +46,8 @@ fn prints_a_row_per_policy_and_writes_json() {
         "ttft_mean_ms",
         "ttft_p50_ms",
         "ttft_p99_ms",
+        "floor_mean_ms",
+        "floor_p99_ms",
         "steady_ttft_p50_ms",
         "steady_ttft_p99_ms",
         "hit_rate",
@@ -56,6 +58,14 @@ fn prints_a_row_per_policy_and_writes_json() {
         assert!(results.iter().all(|r| r.get(key).is_some()), "missing {key}");
     }
     assert_eq!(results[0]["requests"].as_u64(), Some(12));
+    // With no queue a request's TTFT is its floor; with one it is above.
+    for r in results {
+        let (floor, mean) = (
+            r["floor_mean_ms"].as_f64().unwrap(),
+            r["ttft_mean_ms"].as_f64().unwrap(),
+        );
+        assert!(floor > 0.0 && floor <= mean + 1e-9, "floor {floor} vs mean {mean}");
+    }
     // Two agents on one prefix, 12 requests over 16 ranks: round_robin never meets a warm rank, prefix_match does.
     assert!(results[1]["hit_rate"].as_f64().unwrap() > results[0]["hit_rate"].as_f64().unwrap());
 }

@@ -363,6 +363,7 @@ pub async fn run(
                     prompt_tokens: done.req.tokens.len(),
                     cached_tokens: measured.cached_tokens,
                     predicted_cached: None,
+                    floor: None,
                 });
                 if let Some(next) = workload.on_finish(&done.req, &measured.output_ids, finish) {
                     delayed.push(next);

@@ -475,6 +475,7 @@ mod tests {
                 prompt_tokens: 100,
                 cached_tokens: 50,
                 predicted_cached: None,
+                floor: None,
             })
             .collect();
         SimOutcome {

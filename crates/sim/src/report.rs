@@ -20,6 +20,12 @@ pub struct Summary {
     pub steady_ttft_p50_ms: f64,
     /// The 99th percentile of the same.
     pub steady_ttft_p99_ms: f64,
+    /// The queue-free floor: the mean TTFT the requests would have had with no queueing, given the cache hits they
+    /// got (base + uncached tokens / prefill rate). TTFT above it is queueing; the floor itself is what misses
+    /// cost. `None` (JSON `null`) for a run over HTTP.
+    pub floor_mean_ms: Option<f64>,
+    /// The 99th percentile of the same.
+    pub floor_p99_ms: Option<f64>,
     /// Cached prompt tokens over all prompt tokens.
     pub hit_rate: f64,
     /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing); `None` (JSON
@@ -87,6 +93,11 @@ impl Summary {
             .collect();
         ttfts.sort_by(f64::total_cmp);
         steady.sort_by(f64::total_cmp);
+        let mut floors: Option<Vec<f64>> = records.iter().map(|r| r.floor.map(ms)).collect();
+        if let Some(f) = floors.as_mut() {
+            f.sort_by(f64::total_cmp);
+        }
+        let floors = floors.filter(|f| !f.is_empty());
         let prompt: usize = records.iter().map(|r| r.prompt_tokens).sum();
         let cached: usize = records.iter().map(|r| r.cached_tokens).sum();
         let span = match (
@@ -111,6 +122,8 @@ impl Summary {
             ttft_p99_ms: percentile(&ttfts, 99.0),
             steady_ttft_p50_ms: percentile(&steady, 50.0),
             steady_ttft_p99_ms: percentile(&steady, 99.0),
+            floor_mean_ms: floors.as_ref().map(|f| f.iter().sum::<f64>() / f.len() as f64),
+            floor_p99_ms: floors.as_ref().map(|f| percentile(f, 99.0)),
             hit_rate: if prompt == 0 {
                 0.0
             } else {
@@ -143,12 +156,14 @@ pub fn table(rows: &[Summary]) -> String {
     let moved = rows.iter().any(|r| r.moved_groups.is_some());
     let width = rows.iter().map(|r| r.policy.len()).max().unwrap_or(0).max(22);
     let mut out = format!(
-        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>11} {:>11} {:>6} {:>6} {:>8} {:>8} {:>6}{}\n",
+        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11} {:>6} {:>6} {:>8} {:>8} {:>6}{}\n",
         "policy",
         "requests",
         "ttft_mean",
         "ttft_p50",
         "ttft_p99",
+        "floor_mean",
+        "floor_p99",
         "steady_p50",
         "steady_p99",
         "hit",
@@ -163,13 +178,16 @@ pub fn table(rows: &[Summary]) -> String {
             Some(o) if o > 0.0 => format!("{:.3}", r.hit_rate / o),
             _ => "-".into(),
         };
+        let floor = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.0}"));
         out.push_str(&format!(
-            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2} {:>6}{}\n",
+            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10} {:>9} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2} {:>6}{}\n",
             r.policy,
             r.requests,
             r.ttft_mean_ms,
             r.ttft_p50_ms,
             r.ttft_p99_ms,
+            floor(r.floor_mean_ms),
+            floor(r.floor_p99_ms),
             r.steady_ttft_p50_ms,
             r.steady_ttft_p99_ms,
             r.hit_rate,
@@ -197,7 +215,7 @@ pub fn table(rows: &[Summary]) -> String {
             ));
         }
     }
-    out.push_str("(TTFT in ms; steady_* leave out each session's (agent's or prefix group's) first request; of_orc = hit / oracle");
+    out.push_str("(TTFT in ms; floor_* = TTFT with no queueing, given the hits; steady_* leave out each session's (agent's or prefix group's) first request; of_orc = hit / oracle");
     out.push_str(if moved {
         "; moved = fraction of prefix groups whose rank changed at the removal)\n"
     } else {
@@ -234,6 +252,7 @@ mod tests {
             prompt_tokens: 10,
             cached_tokens: 0,
             predicted_cached: None,
+            floor: Some(0),
         }
     }
 
@@ -258,6 +277,29 @@ mod tests {
             (s.ttft_p99_ms, s.steady_ttft_p50_ms, s.steady_ttft_p99_ms),
             (10_000.0, 2_000.0, 4_000.0)
         );
+    }
+
+    #[test]
+    fn the_floor_is_each_requests_prefill_alone_and_unknown_over_http() {
+        let mut records = Vec::new();
+        for (id, floor_s) in [(0, 1), (1, 3)] {
+            let mut r = record(id, 0, 0, 0);
+            r.first_token = 5_000_000;
+            r.floor = Some(floor_s * 1_000_000);
+            records.push(r);
+        }
+        let mut outcome = SimOutcome {
+            records,
+            routed_per_rank: vec![2],
+            ..SimOutcome::default()
+        };
+        let s = Summary::new("p", &outcome);
+        assert_eq!((s.floor_mean_ms, s.floor_p99_ms), (Some(2_000.0), Some(3_000.0)));
+        assert_eq!(s.ttft_mean_ms, 5_000.0);
+        outcome.records[1].floor = None;
+        let s = Summary::new("p", &outcome);
+        assert_eq!((s.floor_mean_ms, s.floor_p99_ms), (None, None));
+        assert!(table(&[s]).lines().nth(1).unwrap().contains(" - "));
     }
 
     #[test]

@@ -99,6 +99,9 @@ pub struct RequestRecord {
     pub cached_tokens: usize,
     /// The cached tokens the policy predicted, if it predicts.
     pub predicted_cached: Option<u64>,
+    /// Its queue-free floor: the TTFT it would have had with no queueing, given the cache hit it got (the prefill
+    /// of its uncached tokens alone); `None` where nobody knows the engine's costs (a run over HTTP).
+    pub floor: Option<Micros>,
 }
 
 impl RequestRecord {
@@ -151,6 +154,8 @@ struct Live<'a> {
     /// The cached tokens the policy predicted.
     predicted: Option<u64>,
     first_token: Micros,
+    /// The service time of its prefill.
+    prefill: Micros,
 }
 
 struct Rank {
@@ -353,6 +358,7 @@ impl<'a> Sim<'a> {
             cached: 0,
             predicted: None,
             first_token: 0,
+            prefill: 0,
         };
         let slot = match self.free.pop() {
             Some(slot) => {
@@ -459,7 +465,8 @@ impl<'a> Sim<'a> {
             });
         }
         rank.prefilling = Some(slot);
-        let done = now + self.config.cost.prefill(live.req.tokens.len() - cached);
+        live.prefill = self.config.cost.prefill(live.req.tokens.len() - cached);
+        let done = now + live.prefill;
         self.publish_events(r, now);
         self.schedule(done, Event::PrefillDone(r));
         self.decode.prefill_started(now);
@@ -536,6 +543,7 @@ impl<'a> Sim<'a> {
             prompt_tokens: live.req.tokens.len(),
             cached_tokens: live.cached,
             predicted_cached: live.predicted,
+            floor: Some(live.prefill),
         });
         if let Some(next) = self.workload.on_finish(&live.req, &output, now) {
             self.admit(next, false, now);
