@@ -9,7 +9,7 @@
 //!
 //! Layout: one slab of nodes, one per (block, slot) pair, each on its slot's doubly linked LRU list and on its
 //! block's singly linked list of holders; one hash map from block hash to its first holder (the hashes are already
-//! uniform, so the map does not rehash them). About 50 bytes per (block, slot) pair, reported by
+//! uniform, so the map does not rehash them). About 62 bytes per (block, slot) pair, reported by
 //! [`BlockIndex::memory_bytes`].
 //!
 //! Cost: [`BlockIndex::match_lengths`] is one map look-up per matched block plus one step per holder of it, so
@@ -31,6 +31,8 @@ struct Node {
     next: u32,
     /// The next holder of the same block.
     sibling: u32,
+    /// The slot's clock when the block was last recorded there.
+    stamp: u32,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -39,6 +41,8 @@ struct Lru {
     tail: u32,
     len: usize,
     capacity: usize,
+    /// Blocks recorded in the slot so far (wrapping): the clock of [`BlockIndex::age`].
+    clock: u32,
 }
 
 /// Per-slot LRU sets of chained block hashes; see the module documentation.
@@ -58,6 +62,7 @@ impl BlockIndex {
             tail: NIL,
             len: 0,
             capacity,
+            clock: 0,
         });
         self.slots.len() - 1
     }
@@ -123,6 +128,16 @@ impl BlockIndex {
         best
     }
 
+    /// How many blocks `slot` has recorded since it last recorded `hash` (`None` if it does not hold it): at least
+    /// the number of other blocks used more recently there, more when blocks were recorded again. An engine that
+    /// no longer holds the block has stored at least its capacity of other blocks since, so its capacity is at most
+    /// this.
+    pub fn age(&self, slot: usize, hash: u64) -> Option<u32> {
+        let n = self.find(hash, slot)?;
+        let lru = &self.slots[slot];
+        Some(lru.clock.wrapping_sub(self.nodes[n as usize].stamp).wrapping_sub(1))
+    }
+
     /// Records that `slot` now holds `hashes` (a prompt's blocks, in order): each becomes most recently used, the
     /// first block most recent of all. Then forgets the slot's least recently used blocks beyond its capacity.
     pub fn record(&mut self, slot: usize, hashes: &[u64]) {
@@ -176,6 +191,7 @@ impl BlockIndex {
             prev: NIL,
             next: NIL,
             sibling: self.map.get(&hash).copied().unwrap_or(NIL),
+            stamp: 0,
         };
         let n = match self.free.pop() {
             Some(n) => {
@@ -195,6 +211,8 @@ impl BlockIndex {
     fn link_front(&mut self, n: u32) {
         let slot = self.nodes[n as usize].slot as usize;
         let head = self.slots[slot].head;
+        self.nodes[n as usize].stamp = self.slots[slot].clock;
+        self.slots[slot].clock = self.slots[slot].clock.wrapping_add(1);
         self.nodes[n as usize].prev = NIL;
         self.nodes[n as usize].next = head;
         if head == NIL {
@@ -322,6 +340,22 @@ mod tests {
     }
 
     #[test]
+    fn age_counts_the_blocks_recorded_since() {
+        let mut index = BlockIndex::default();
+        let slot = index.add_slot(100);
+        let (p, q) = (chain(&[1, 2, 3]), chain(&[7, 8]));
+        index.record(slot, &p);
+        // Recorded last to first: the deepest block is the oldest.
+        assert_eq!((index.age(slot, p[0]), index.age(slot, p[2])), (Some(0), Some(2)));
+        index.record(slot, &q);
+        assert_eq!((index.age(slot, p[0]), index.age(slot, p[2])), (Some(2), Some(4)));
+        // Recorded again: it counts again (an upper bound of the blocks ahead, which are 2 here).
+        index.record(slot, &q);
+        assert_eq!(index.age(slot, p[0]), Some(4));
+        assert_eq!(index.age(slot, 12345), None);
+    }
+
+    #[test]
     fn longest_prefix_per_slot_and_deep_blocks_forgotten_first() {
         let mut index = BlockIndex::default();
         let (a, b) = (index.add_slot(4), index.add_slot(10));
@@ -384,6 +418,10 @@ mod tests {
                 for s in 0..3 {
                     prop_assert!(index.slot_len(s) <= index.capacity(s));
                     prop_assert_eq!(index.order(s), naive.lists[s].clone());
+                    // A block's age is at least the number of blocks used more recently in its slot.
+                    for (ahead, &h) in naive.lists[s].iter().enumerate() {
+                        prop_assert!(index.age(s, h).is_some_and(|age| age as usize >= ahead));
+                    }
                 }
                 prop_assert_eq!(index.len(), naive.lists.iter().map(Vec::len).sum::<usize>());
                 for p in &probes {

@@ -101,6 +101,18 @@ pub struct Pick {
     pub branch: Branch,
     /// Predicted uncached prompt tokens; `None` means the whole prompt. [`dispatch`] counts it as queued prefill.
     pub prefill_tokens: Option<u64>,
+    /// What an index-based policy believed the endpoint held of the prompt, for learning from the engine's report.
+    pub matched: Option<Matched>,
+}
+
+/// What [`Pick::matched`] saw at the chosen endpoint when it predicted a hit there: the prompt's leading blocks
+/// the index held, how many blocks it had recorded there since the deepest of them was last recorded
+/// ([`BlockIndex::age`](crate::block_index::BlockIndex::age)), and the other requests in flight there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Matched {
+    pub blocks: usize,
+    pub age: usize,
+    pub in_flight: u64,
 }
 
 impl Pick {
@@ -109,11 +121,17 @@ impl Pick {
             rank,
             branch,
             prefill_tokens: None,
+            matched: None,
         }
     }
 
     pub fn with_prefill(mut self, tokens: u64) -> Self {
         self.prefill_tokens = Some(tokens);
+        self
+    }
+
+    pub fn with_matched(mut self, matched: Option<Matched>) -> Self {
+        self.matched = matched;
         self
     }
 }

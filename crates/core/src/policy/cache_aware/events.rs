@@ -52,6 +52,11 @@ impl EventState {
         }
     }
 
+    /// Whether `slot` follows its engine's events.
+    pub(super) fn is_tracked(&self, slot: usize) -> bool {
+        self.confirmed(slot).is_some()
+    }
+
     fn confirmed(&self, slot: usize) -> Option<&HashSet<u64, PassThroughBuild>> {
         self.confirmed.get(slot).and_then(Option::as_ref)
     }
@@ -120,13 +125,15 @@ impl State {
         }
         let precise = self.events.confirmed(slot).is_some();
         if precise != was_precise {
-            let capacity = self.index.capacity(slot);
-            let capacity = if precise {
-                capacity.saturating_mul(PRECISE_SLACK)
+            // What was learned from refuted predictions is moot once the events say what the engine holds.
+            self.learned.reset(slot);
+            let given = self.given[slot];
+            self.given[slot] = if precise {
+                given.saturating_mul(PRECISE_SLACK)
             } else {
-                capacity / PRECISE_SLACK
+                given / PRECISE_SLACK
             };
-            self.index.set_capacity(slot, capacity);
+            self.index.set_capacity(slot, self.given[slot]);
         }
     }
 }
@@ -143,9 +150,7 @@ impl CacheAware {
             // snapshot says otherwise.
             None => {
                 let capacity = (self.config.kv_capacity_tokens / self.config.block_tokens.max(1) as u64) as usize;
-                let slot = state.index.add_slot(capacity);
-                state.slots.insert(endpoint, slot);
-                slot
+                state.add_slot(endpoint, capacity)
             }
         };
         state.apply(slot, change);

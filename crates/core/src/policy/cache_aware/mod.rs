@@ -39,10 +39,10 @@
 //!    whose connection was refused and that is routed again ([`Policy::retract`]) is forgotten at the endpoint
 //!    that never got it, past what the endpoint held before.
 //! 5. [`Policy::observe`]: when the engine reports it held fewer cached tokens than the pick predicted, the
-//!    endpoint loses the prompt's blocks past what it held (`correct_on_feedback`). This repairs an index that
-//!    believes too much (an engine restarted or flushed, a capacity set too high). When the engine does cache the
-//!    prompt it has just prefilled, the forgotten blocks are back on the engine at once and the index learns them
-//!    again from the next request routed with them.
+//!    prediction was refuted: the endpoint keeps less of the prompts the index sees than its capacity says (a
+//!    llama.cpp slot holds one prompt; engines also cache answers; a capacity set too high). The refutation bounds
+//!    the capacity the index uses for that endpoint, and confirmed predictions let it grow back ([`learned`];
+//!    `correct_on_feedback`). The prompt's own blocks stay: the engine holds them once it has prefilled them.
 //!
 //! Branches: `hit` (the chosen endpoint holds the longest match), `spill` (a shorter match cost less: an earlier
 //! first token), `cold` (no endpoint holds any block), `empty` (no prompt: round-robin turn).
@@ -51,7 +51,7 @@
 //! rebuilt when the snapshot's generation changes, never per request; endpoints that left the snapshot are
 //! forgotten then. One `std::sync::Mutex` guards it, taken once per decision (look-up, choice and record) and
 //! once per correction, never while hashing. Cost per request: O(prompt) hashing, O(blocks × holders) look-ups, O(healthy endpoints) to compare
-//! predictions; memory O(Σ capacity in blocks), ~50 bytes a block, see [`CacheAware::index_stats`].
+//! predictions; memory O(Σ capacity in blocks), ~62 bytes a block, see [`CacheAware::index_stats`].
 //!
 //! Precise mode ([`events`]): an endpoint whose engine publishes its KV events has its index entries from them,
 //! what the engine says it holds, with its own decisions as short-lived entries until the events confirm them.
@@ -69,10 +69,11 @@ use crate::block_index::BlockIndex;
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
-use crate::policy::{Branch, Candidates, Pick, Policy, Prepared, RoundRobin};
+use crate::policy::{Branch, Candidates, Matched, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 mod events;
+mod learned;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -85,7 +86,9 @@ pub struct CacheAwareConfig {
     pub prefill_tokens_per_s: f64,
     /// Fixed time per prefill, milliseconds.
     pub base_ms: f64,
-    /// Apply engine-reported cached tokens to the index.
+    /// Learn from the engines' reported cached tokens: a refuted prediction bounds how much of the prompts the
+    /// index sees the endpoint really keeps, and the index forgets at that capacity when it is below the given
+    /// one ([`learned`]; not in precise mode).
     pub correct_on_feedback: bool,
     /// Count the part of an endpoint's queue already prefilled (from the request's clock); `false` counts every
     /// queued prefill whole.
@@ -137,6 +140,20 @@ struct State {
     slot_of_rank: Vec<usize>,
     /// Precise mode's bookkeeping, per slot.
     events: events::EventState,
+    /// Capacities learned from refuted predictions, per slot.
+    learned: learned::Learned,
+    /// Each slot's given capacity, in blocks (the engine's, or `kv_capacity_tokens`; precise mode's).
+    given: Vec<usize>,
+}
+
+impl State {
+    /// A new, empty slot for `endpoint`, of `capacity` blocks.
+    fn add_slot(&mut self, endpoint: EndpointId, capacity: usize) -> usize {
+        let slot = self.index.add_slot(capacity);
+        self.slots.insert(endpoint, slot);
+        self.given.push(capacity);
+        slot
+    }
 }
 
 #[derive(Debug, Default)]
@@ -220,13 +237,14 @@ impl CacheAware {
                 Some(&slot) => {
                     if current {
                         let capacity = state.events.capacity(slot, capacity);
+                        state.given[slot] = capacity;
+                        let capacity = state.learned.capacity(slot, capacity);
                         state.index.set_capacity(slot, capacity);
                     }
                     slot
                 }
                 None => {
-                    let slot = state.index.add_slot(capacity);
-                    state.slots.insert(e.id, slot);
+                    let slot = state.add_slot(e.id, capacity);
                     present.push(false);
                     slot
                 }
@@ -238,6 +256,7 @@ impl CacheAware {
             for (slot, here) in present.into_iter().enumerate() {
                 if !here {
                     state.index.clear_slot(slot);
+                    state.learned.reset(slot);
                 }
             }
             state.newest = snap.generation();
@@ -339,8 +358,17 @@ impl Policy for CacheAware {
             .min_by_key(|(order, _)| *order)
             .map(|(_, chosen)| chosen)
             .ok_or(RouteError::NoHealthyEndpoint)?;
+        let slot = state.slot_of_rank[rank];
+        // How long ago the endpoint got the deepest block it holds, before this request makes it the newest.
+        let matched = (blocks > 0)
+            .then(|| state.index.age(slot, hashes[blocks - 1]))
+            .flatten()
+            .map(|age| Matched {
+                blocks,
+                age: age as usize,
+                in_flight: snap.load(rank).in_flight_requests(),
+            });
         if !hashes.is_empty() {
-            let slot = state.slot_of_rank[rank];
             state.index.record(slot, hashes);
             state.provisional(slot, hashes, req.now_us + self.config.event_grace_ms * 1000);
         }
@@ -349,7 +377,7 @@ impl Policy for CacheAware {
             (best, got) if got == best => Branch::Hit,
             _ => Branch::Spill,
         };
-        Ok(Pick::new(rank, branch).with_prefill(uncached))
+        Ok(Pick::new(rank, branch).with_prefill(uncached).with_matched(matched))
     }
 
     fn pinned(&self, snap: &Snapshot, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
@@ -367,10 +395,12 @@ impl Policy for CacheAware {
     }
 
     fn observe(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, pick: &Pick, cached_tokens: u64) {
-        let Some(prefill) = pick.prefill_tokens else { return };
-        let predicted = req.input_tokens.saturating_sub(prefill);
-        if self.config.correct_on_feedback && cached_tokens < predicted {
-            self.forget_past(endpoint, req, prepared, cached_tokens);
+        let (Some(matched), Some(prefill)) = (pick.matched, pick.prefill_tokens) else {
+            return;
+        };
+        if self.config.correct_on_feedback {
+            let refuted = cached_tokens < req.input_tokens.saturating_sub(prefill);
+            self.learn(endpoint, req, prepared, matched, refuted.then_some(cached_tokens));
         }
     }
 
@@ -389,13 +419,18 @@ impl Policy for CacheAware {
 }
 
 impl CacheAware {
-    /// `endpoint` holds no more than `cached_tokens` of `req`'s prompt: it loses the prompt's blocks past them.
-    fn forget_past(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, cached_tokens: u64) {
+    /// Whole index blocks in `tokens` of `req`'s prompt.
+    fn blocks_of(&self, req: &RouteRequest, tokens: u64) -> usize {
         let units_per_token = match req.prompt {
             Prompt::Tokens(_) => 1,
             Prompt::Bytes(_) => BYTES_PER_TOKEN as usize,
         };
-        let held = cached_tokens as usize * units_per_token / self.block_units(&req.prompt);
+        tokens as usize * units_per_token / self.block_units(&req.prompt)
+    }
+
+    /// `endpoint` holds no more than `cached_tokens` of `req`'s prompt: it loses the prompt's blocks past them.
+    fn forget_past(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, cached_tokens: u64) {
+        let held = self.blocks_of(req, cached_tokens);
         let mut state = self.lock();
         if let Some(&slot) = state.slots.get(&endpoint) {
             state.index.forget_from(slot, &prepared.block_hashes, held);
@@ -543,28 +578,37 @@ mod tests {
     }
 
     #[test]
-    fn overrides_are_recorded_and_feedback_corrects_the_index() {
+    fn overrides_are_recorded_and_a_refuted_prediction_bounds_the_capacity() {
         let snap = Snapshot::single_worker(4);
         let p = policy();
         let req = RouteRequest::tokens(prompt(4, 640));
         let mut pinned = dispatch(&p, &snap, req.clone().with_override(2)).unwrap();
         pinned.first_token(0);
         assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+        let given = p.index_stats().capacity_blocks;
+        // A pick without a prediction teaches nothing.
+        pinned.usage(usage(640, 0));
+        drop(pinned);
+        assert_eq!(p.index_stats().capacity_blocks, given);
+        // Another prompt goes there after it.
+        let other = RouteRequest::tokens(prompt(5, 640));
+        drop(dispatch(&p, &snap, other.clone().with_override(2)).unwrap());
         let mut hit = dispatch(&p, &snap, req.clone()).unwrap();
         let pick = hit.pick;
         assert_eq!((pick.rank, pick.branch, pick.prefill_tokens), (2, Branch::Hit, Some(1)));
-        // The engine held only 100 tokens: endpoint 2 keeps 6 blocks (96 tokens) of this prompt.
+        // The engine held 100 tokens (6 blocks) of it: since its block 6 was recorded there, the endpoint got 6
+        // more of its blocks and the other prompt's 40, and it no longer held block 6: it keeps at most 46 blocks.
         hit.usage(usage(640, 100));
         drop(hit);
-        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
-        // A pick without a prediction changes nothing.
-        pinned.usage(usage(640, 0));
-        assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 96, 0]);
-        // The next request goes there again and is recorded whole; holding what was predicted changes nothing.
-        let mut again = dispatch(&p, &snap, req.clone()).unwrap();
-        assert_eq!((again.pick.rank, again.pick.prefill_tokens), (2, Some(640 - 96)));
-        again.usage(usage(640, 96));
+        assert_eq!(p.index_stats().capacity_blocks, given / 4 * 3 + 46);
+        // It holds this prompt now that it has prefilled it, and what fits of the other (its first 6 blocks).
         assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+        assert_eq!(p.predicted_cached(&snap, &other), vec![0, 0, 96, 0]);
+        // A confirmed prediction lets the capacity grow back, by an eighth.
+        let mut again = dispatch(&p, &snap, req.clone()).unwrap();
+        assert_eq!(again.pick.rank, 2);
+        again.usage(usage(640, 639));
+        assert_eq!(p.index_stats().capacity_blocks, given / 4 * 3 + 51);
     }
 
     #[test]
@@ -663,8 +707,9 @@ mod tests {
                 req.rank_override = pin.filter(|&r| (r as usize) < capacities.len());
                 dispatch(&p, &snap, req.clone()).unwrap().usage(usage(len as u64, (seed as u64 * 37) % 200));
                 let stats = p.index_stats();
-                // (The index learns the membership from its first non-empty prompt.)
-                proptest::prop_assert!(stats.capacity_blocks == capacity_blocks || stats.blocks == 0, "{:?}", stats);
+                // (The index learns the membership from its first non-empty prompt; refuted predictions lower
+                // the capacities it uses.)
+                proptest::prop_assert!(stats.capacity_blocks <= capacity_blocks, "{:?}", stats);
                 proptest::prop_assert!(stats.blocks <= stats.capacity_blocks, "{:?}", stats);
                 for (r, &cached) in p.predicted_cached(&snap, &req).iter().enumerate() {
                     proptest::prop_assert!(cached <= capacities[r], "rank {} holds {} of capacity {}", r, cached, capacities[r]);
