@@ -59,7 +59,10 @@ async fn an_https_worker_is_served_and_checked() {
     let trusting = config("tls-trusting.toml", &format!("upstream_ca_file = {:?}\n", ca.display()));
     let front = Proc::gateway(&[&tls], &["--config", &trusting, "--backend", "openai"]);
     let c = client();
-    let chat = json!({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": "over TLS"}]});
+    // Long enough to be indexed (a prompt shorter than a block is placed cold every time, spread by recent load),
+    // so that the second request goes where the first did, and hits.
+    let content = "over TLS, ".repeat(60);
+    let chat = json!({"model": "m", "max_tokens": 3, "messages": [{"role": "user", "content": content}]});
     let url = format!("{}/v1/chat/completions", front.url);
     // The worker is up once a probe has gone through TLS.
     assert!(

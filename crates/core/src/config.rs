@@ -218,10 +218,21 @@ impl PolicyConfig {
                         format!("must be a positive number, got {}", c.prefill_tokens_per_s),
                     );
                 }
-                for (field, value) in [("base_ms", c.base_ms), ("congestion_weight", c.congestion_weight)] {
+                for (field, value) in [
+                    ("base_ms", c.base_ms),
+                    ("congestion_weight", c.congestion_weight),
+                    ("eviction_weight", c.eviction_weight),
+                    ("recent_epsilon", c.recent_epsilon),
+                ] {
                     if !(value.is_finite() && value >= 0.0) {
                         return fail(field, format!("must be a finite number at least 0, got {value}"));
                     }
+                }
+                if !(c.recent_half_life_s.is_finite() && c.recent_half_life_s > 0.0) {
+                    return fail(
+                        "recent_half_life_s",
+                        format!("must be a positive number of seconds, got {}", c.recent_half_life_s),
+                    );
                 }
             }
         }
@@ -300,6 +311,9 @@ mod tests {
             ("cache_aware:prefill_tokens_per_s=-1", "prefill_tokens_per_s"),
             ("cache_aware:base_ms=-0.5", "base_ms"),
             ("cache_aware:congestion_weight=-1", "congestion_weight"),
+            ("cache_aware:eviction_weight=-1", "eviction_weight"),
+            ("cache_aware:recent_half_life_s=0", "recent_half_life_s"),
+            ("cache_aware:recent_epsilon=-0.1", "recent_epsilon"),
             ("prefix_affinity:epsilon=-0.1", "epsilon"),
             ("prefix_affinity:key_tokens=0", "key_tokens"),
             ("prefix_affinity:key_bytes=0", "key_bytes"),

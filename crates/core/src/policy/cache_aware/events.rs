@@ -52,6 +52,14 @@ impl EventState {
         }
     }
 
+    /// The engine's capacity at `slot`, whose index holds `index_capacity` blocks (more, in precise mode).
+    pub(super) fn engine_capacity(&self, slot: usize, index_capacity: usize) -> usize {
+        match self.confirmed(slot) {
+            Some(_) => index_capacity / PRECISE_SLACK,
+            None => index_capacity,
+        }
+    }
+
     /// Whether `slot` follows its engine's events.
     pub(super) fn is_tracked(&self, slot: usize) -> bool {
         self.confirmed(slot).is_some()

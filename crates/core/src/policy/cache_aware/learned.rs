@@ -133,7 +133,9 @@ mod tests {
                 let before = conversation.len();
                 let grow = if turn == 0 { 450 } else { 60 };
                 conversation.extend((0..grow as u32).map(|i| seed.wrapping_mul(7919) ^ (before as u32 + i) << 8));
-                let mut ticket = dispatch(&policy, &snap, RouteRequest::tokens(conversation.clone())).unwrap();
+                let mut req = RouteRequest::tokens(conversation.clone());
+                req.now_us = (2 * turn + agent) as u64 * 1_000_000;
+                let mut ticket = dispatch(&policy, &snap, req).unwrap();
                 let engine = &mut engines[ticket.pick.rank];
                 let cached = engine
                     .iter()
@@ -156,7 +158,12 @@ mod tests {
 
     #[test]
     fn sessions_split_over_engines_that_keep_less_than_the_index_assumes() {
-        let learning = CacheAwareConfig::default();
+        // Cold placements by rendezvous alone (recent counts forgotten at once), so that some pairs of agents
+        // start on one engine, as they do behind several gateways or beside other traffic.
+        let learning = CacheAwareConfig {
+            recent_half_life_s: 1e-9,
+            ..CacheAwareConfig::default()
+        };
         let trusting = CacheAwareConfig {
             correct_on_feedback: false,
             ..learning

@@ -22,14 +22,15 @@
 //!    Without that term (`congestion_weight = 0`) a busy fleet spreads every request to the shortest queue,
 //!    recomputes prefixes it already holds, and the extra work makes the queues longer still. The term counts the
 //!    candidate's own queue, not the fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still
-//!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Ties go
-//!    to the longer match, then the fewer requests in flight, then the fewer blocks of other prompts the endpoint
-//!    would have to forget to make room (its capacity, less what the index holds there), then the higher
-//!    rendezvous score of the prompt's first block (or of the client's session hint,
-//!    [`RouteRequest::session`]). So a prompt that no endpoint holds (branch `cold`) goes to the
-//!    least loaded endpoints with room for it, by rendezvous among them: two sessions on engines that each hold
-//!    one prompt (a llama.cpp slot, with the worker's `kv_capacity_tokens` set to about one prompt) split instead
-//!    of evicting each other, and replicas agree on cold placements of an idle fleet with room.
+//!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Add
+//!    `eviction_weight` times the prefill time of the blocks of other prompts the endpoint would have to forget
+//!    to make room (its capacity, less what the index holds there): they cost that again if asked for. Ties go to
+//!    the longer match, then endpoints within their share of recent requests ([`recent`]), then the fewer requests
+//!    in flight, then the fewer blocks to forget, then the higher rendezvous score of the prompt's first block (or
+//!    of the client's session hint, [`RouteRequest::session`]). So a prompt that no endpoint holds (branch `cold`)
+//!    goes to the least loaded endpoints with room for it, by rendezvous among them: two sessions on engines that
+//!    each hold one prompt (a llama.cpp slot) split instead of evicting each other, and replicas agree on cold
+//!    placements of an idle fleet with room.
 //!    Cache affinity and load balance come from one cost, with no hit or miss thresholds. The choice is greedy,
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
 //!    (`docs/measurements.md`, "Agents that arrive apart").
@@ -74,6 +75,7 @@ use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 mod events;
 mod learned;
+mod recent;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -97,6 +99,14 @@ pub struct CacheAwareConfig {
     /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
     /// compares the plain predicted TTFT.
     pub congestion_weight: f64,
+    /// Charge for the blocks of other prompts a choice makes the endpoint forget (its index over capacity): their
+    /// prefill time, times this weight. 0 counts only this request's own time.
+    pub eviction_weight: f64,
+    /// Cold placements (equal predictions) pass over endpoints sent more than `1 + recent_epsilon` times the
+    /// mean of the requests sent recently (counts that halve every this many seconds of request time).
+    pub recent_half_life_s: f64,
+    /// See `recent_half_life_s`.
+    pub recent_epsilon: f64,
     /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
     /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
     pub event_grace_ms: u64,
@@ -113,6 +123,9 @@ impl Default for CacheAwareConfig {
             correct_on_feedback: true,
             prefill_progress: true,
             congestion_weight: 1.0,
+            eviction_weight: 1.0,
+            recent_half_life_s: 60.0,
+            recent_epsilon: 0.1,
             event_grace_ms: 10_000,
         }
     }
@@ -144,6 +157,8 @@ struct State {
     learned: learned::Learned,
     /// Each slot's given capacity, in blocks (the engine's, or `kv_capacity_tokens`; precise mode's).
     given: Vec<usize>,
+    /// Requests sent to each slot recently.
+    recent: recent::Recent,
 }
 
 impl State {
@@ -257,6 +272,7 @@ impl CacheAware {
                 if !here {
                     state.index.clear_slot(slot);
                     state.learned.reset(slot);
+                    state.recent.reset(slot);
                 }
             }
             state.newest = snap.generation();
@@ -324,9 +340,14 @@ impl Policy for CacheAware {
         // Blocks of other prompts the endpoint's cache would have to drop to take this one's new blocks.
         let evicted_at = |r: usize, blocks: usize| {
             let slot = state.slot_of_rank[r];
-            (state.index.slot_len(slot) + hashes.len() - blocks).saturating_sub(state.index.capacity(slot))
+            let capacity = state.events.engine_capacity(slot, state.index.capacity(slot));
+            (state.index.slot_len(slot) + hashes.len() - blocks).saturating_sub(capacity)
         };
         let best_match = c.iter().map(blocks_at).max().unwrap_or(0);
+        let half_life_us = self.config.recent_half_life_s * 1e6;
+        let block = self.config.block_tokens as u64;
+        let recent_at = |r: usize| state.recent.count(state.slot_of_rank[r], req.now_us, half_life_us);
+        let mean_recent = c.iter().map(recent_at).sum::<f64>() / c.iter().count().max(1) as f64;
         let (rank, blocks, uncached) = c
             .iter()
             .map(|r| {
@@ -345,12 +366,21 @@ impl Policy for CacheAware {
                 );
                 let own = self.prefill_us(0, uncached);
                 let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
-                let cost = ttft + (congestion * own as f64) as u64;
+                let evicted = evicted_at(r, blocks);
+                let eviction = self.config.eviction_weight * self.prefill_us(0, evicted as u64 * block) as f64;
+                let cost = ttft + (congestion * own as f64) as u64 + eviction as u64;
+                // A session's cold requests go where its earlier ones did (the rendezvous below), not by count.
+                let recent = match req.session {
+                    Some(_) => 0.0,
+                    None => recent_at(r),
+                };
+                let over_bound = recent + 1.0 > (1.0 + self.config.recent_epsilon) * (mean_recent + 1.0);
                 let order = (
                     cost,
                     std::cmp::Reverse(blocks),
+                    over_bound,
                     load.in_flight_requests(),
-                    evicted_at(r, blocks),
+                    evicted,
                     std::cmp::Reverse(rendezvous_score(key, snap.endpoints()[r].id)),
                 );
                 (order, (r, blocks, uncached))
@@ -359,6 +389,7 @@ impl Policy for CacheAware {
             .map(|(_, chosen)| chosen)
             .ok_or(RouteError::NoHealthyEndpoint)?;
         let slot = state.slot_of_rank[rank];
+        state.recent.record(slot, req.now_us, half_life_us);
         // How long ago the endpoint got the deepest block it holds, before this request makes it the newest.
         let matched = (blocks > 0)
             .then(|| state.index.age(slot, hashes[blocks - 1]))
@@ -383,6 +414,11 @@ impl Policy for CacheAware {
     fn pinned(&self, snap: &Snapshot, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
         let mut state = self.lock();
         self.sync(&mut state, snap);
+        if let Some(&slot) = state.slot_of_rank.get(pick.rank) {
+            state
+                .recent
+                .record(slot, req.now_us, self.config.recent_half_life_s * 1e6);
+        }
         if let Some(&slot) = state
             .slot_of_rank
             .get(pick.rank)
