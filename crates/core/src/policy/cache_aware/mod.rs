@@ -768,27 +768,4 @@ mod tests {
 }
 
 #[cfg(test)]
-mod capacity_tests {
-    use super::*;
-    use crate::endpoint::Endpoint;
-    use crate::policy::dispatch;
-
-    #[test]
-    fn a_cold_prompt_goes_where_it_evicts_nothing() {
-        // Room for one 1,800-byte prompt (7 blocks of 256 bytes) per endpoint, not two.
-        let snap = Snapshot::new(
-            (0..2)
-                .map(|r| Endpoint::new(EndpointId::new(r, 0)).with_kv_capacity(640))
-                .collect(),
-        );
-        let text = |agent: u32| format!("You are agent number {agent}. {}", "tools and more ".repeat(118));
-        for first in 0..8 {
-            let p = CacheAware::default();
-            let a = dispatch(&p, &snap, RouteRequest::text(&text(first))).unwrap();
-            let a_rank = a.pick.rank;
-            drop(a);
-            let b = dispatch(&p, &snap, RouteRequest::text(&text(first + 100))).unwrap();
-            assert_ne!(b.pick.rank, a_rank, "{first}: {:?}", p.index_stats());
-        }
-    }
-}
+mod capacity_tests;
