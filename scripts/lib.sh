@@ -1,5 +1,6 @@
 # Shared by the scripts here: `start NAME ARGS` runs `dprouter NAME ARGS` in the background on a port it prints,
-# sets URL and PID from its "listening on" line, and every process started so is stopped (by its id) on exit.
+# sets URL and PID from its "listening on" line and OUT to the file of its output (logs filtered by START_LOG,
+# default `error`), and every process started so is stopped (by its id) on exit.
 tmp=$(mktemp -d)
 pids=()
 cleanup() {
@@ -10,8 +11,9 @@ cleanup() {
 trap cleanup EXIT
 
 start() {
-  local out="$tmp/$1.out"
-  RUST_LOG=error dprouter "$@" > "$out" 2>&1 &
+  local out="$tmp/$1.${#pids[@]}.out"
+  OUT=$out
+  RUST_LOG=${START_LOG:-error} dprouter "$@" > "$out" 2>&1 &
   PID=$!
   pids+=("$PID")
   for _ in $(seq 200); do

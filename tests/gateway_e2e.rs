@@ -739,6 +739,8 @@ async fn the_access_log_says_what_happened() {
         "ttft_ms=".into(),
         "prompt_tokens=".into(),
         "cached_tokens=0".into(),
+        // cache_aware (the default) predicts: nothing cached for a first, short prompt.
+        "predicted_cached_tokens=0".into(),
         "duration_ms=".into(),
     ] {
         assert!(line.contains(&field), "{field} missing: {line}");

@@ -12,6 +12,12 @@
 //! blocks do not end on router boundaries, sibling engine blocks (one prefix, then different tokens) can both
 //! complete the same router block, so each router block counts its engine blocks.
 //!
+//! A sequence rarely ends on a router boundary (a prompt and its answer are any length), so the endpoint also holds
+//! tokens past its last whole router block: each engine block that ends inside a router block reports them as a
+//! [`Tail`] (the router block before them, and the tokens), and [`HeldTails`] answers how many tokens past its
+//! matched router blocks a prompt finds there, so precise mode predicts cached tokens to the engine's page rather
+//! than to the router's block.
+//!
 //! What is not followed: events of other media than the GPU (`"CPU"`, disk: each medium removes its own copies
 //! with the same hashes), and blocks of LoRA adapters or of a hybrid model's other cache groups (the router's keys
 //! do not describe them). A `BlockStored` whose parent was never seen (the subscriber started late, or missed
@@ -19,7 +25,9 @@
 //!
 //! Cost: O(tokens) hashing per stored event, O(1) per removed block. Memory: about 60 bytes per engine block plus
 //! 4 bytes per token of the events still referenced (SGLang's one-token pages make that about 64 bytes per cached
-//! token: 25 MB for a 400,000-token rank), bounded by `max_blocks`.
+//! token: 25 MB for a 400,000-token rank), bounded by `max_blocks`. [`HeldTails`] keeps about 40 bytes per engine
+//! block that ends inside a router block (sharing the events' tokens), and a look-up compares the tails after one
+//! router block: with one-token pages, up to a block's worth of tails of up to a block's tokens.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -30,10 +38,10 @@ use crate::kv_events::{EngineHash, KvEvent};
 /// What the router's index must do for an endpoint after an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheChange {
-    /// The endpoint now holds these router blocks: one sequence's, in order.
-    Stored(Vec<u64>),
+    /// The endpoint now holds these router blocks (one sequence's, in order) and these tails.
+    Stored { blocks: Vec<u64>, tails: Vec<Tail> },
     /// It no longer holds these.
-    Removed(Vec<u64>),
+    Removed { blocks: Vec<u64>, tails: Vec<Tail> },
     /// It holds nothing.
     Cleared,
     /// Its events stopped or cannot be followed: what the index holds for it is the router's guess again.
@@ -49,6 +57,128 @@ pub enum FollowError {
     TooMany(usize),
 }
 
+/// Tokens an endpoint holds past a whole router block: the first tokens of a stored sequence after the router
+/// block whose hash is `seed` (0: from the sequence's start), fewer than a router block. Its tokens are a window into
+/// the event's, shared by the engine blocks stored together.
+#[derive(Debug, Clone)]
+pub struct Tail {
+    pub seed: u64,
+    run: Arc<[u32]>,
+    from: u32,
+    len: u32,
+}
+
+impl Tail {
+    pub fn tokens(&self) -> &[u32] {
+        &self.run[self.from as usize..(self.from + self.len) as usize]
+    }
+}
+
+impl PartialEq for Tail {
+    fn eq(&self, other: &Self) -> bool {
+        self.seed == other.seed && self.tokens() == other.tokens()
+    }
+}
+
+impl Eq for Tail {}
+
+/// The tails an endpoint holds, by the router block before them (see the module documentation).
+#[derive(Debug, Default)]
+pub struct HeldTails {
+    /// Per seed: each distinct tail, with how many engine blocks report it.
+    by_seed: HashMap<u64, Vec<(Tail, u32)>>,
+    count: usize,
+}
+
+impl HeldTails {
+    /// Follows `change` (blocks are the index's business; a clear or an untracked endpoint empties this).
+    pub fn apply(&mut self, change: &CacheChange) {
+        match change {
+            CacheChange::Stored { tails, .. } => {
+                for tail in tails {
+                    let held = self.by_seed.entry(tail.seed).or_default();
+                    match held.iter_mut().find(|(t, _)| t == tail) {
+                        Some((_, n)) => *n += 1,
+                        None => {
+                            held.push((tail.clone(), 1));
+                            self.count += 1;
+                        }
+                    }
+                }
+            }
+            CacheChange::Removed { tails, .. } => {
+                for tail in tails {
+                    let Some(held) = self.by_seed.get_mut(&tail.seed) else {
+                        continue;
+                    };
+                    let Some(i) = held.iter().position(|(t, _)| t == tail) else {
+                        continue;
+                    };
+                    held[i].1 -= 1;
+                    if held[i].1 == 0 {
+                        held.swap_remove(i);
+                        self.count -= 1;
+                        if held.is_empty() {
+                            self.by_seed.remove(&tail.seed);
+                        }
+                    }
+                }
+            }
+            CacheChange::Cleared | CacheChange::Untracked => {
+                self.by_seed.clear();
+                self.count = 0;
+            }
+        }
+    }
+
+    /// Tokens of `rest` (what follows the router block `seed` in a prompt; 0: the prompt's start) the endpoint
+    /// holds: the longest tail there that `rest` begins with (engines evict a sequence's pages from its end, so the
+    /// shorter ones are held too).
+    pub fn longest(&self, seed: u64, rest: &[u32]) -> usize {
+        let Some(held) = self.by_seed.get(&seed) else {
+            return 0;
+        };
+        // Tails of one event's window are prefixes of each other and come in order (one-token pages give a block's
+        // worth of them): each window's tokens are compared with `rest` once.
+        let mut best = 0;
+        let mut window: Option<((*const u32, u32), usize, bool)> = None;
+        for (tail, _) in held {
+            let len = tail.len as usize;
+            if len <= best {
+                continue;
+            }
+            let id = (tail.run.as_ptr(), tail.from);
+            let (mut same, mut diverged) = match window {
+                Some((w, same, diverged)) if w == id => (same, diverged),
+                _ => (0, false),
+            };
+            if !diverged && same < len {
+                let tokens = &tail.tokens()[same..];
+                same += tokens
+                    .iter()
+                    .zip(rest.get(same..).unwrap_or_default())
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                diverged = same < len;
+            }
+            window = Some((id, same, diverged));
+            if same >= len {
+                best = len;
+            }
+        }
+        best
+    }
+
+    /// Distinct tails held.
+    pub fn len(&self) -> usize {
+        self.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
 /// Where a stored sequence stands at the end of one engine block.
 #[derive(Debug, Clone)]
 struct Point {
@@ -62,6 +192,19 @@ struct Point {
     run_start: u64,
     /// Router blocks whose last token is in this engine block.
     completed: Box<[u64]>,
+}
+
+impl Point {
+    /// Its tokens past its last router boundary, if it does not end on one.
+    fn tail(&self, block: u64) -> Option<Tail> {
+        let boundary = self.end - self.end % block;
+        (boundary < self.end).then(|| Tail {
+            seed: self.seed,
+            run: Arc::clone(&self.run),
+            from: (boundary - self.run_start) as u32,
+            len: (self.end - boundary) as u32,
+        })
+    }
 }
 
 /// One endpoint's engine blocks, followed (see the module documentation).
@@ -114,15 +257,16 @@ impl EngineBlocks {
                 if !plain || !on_gpu(medium.as_deref()) {
                     return Ok(None);
                 }
-                let stored = self.stored(hashes, *parent, tokens, *block_size as usize)?;
-                Ok((!stored.is_empty()).then_some(CacheChange::Stored(stored)))
+                let (blocks, tails) = self.stored(hashes, *parent, tokens, *block_size as usize)?;
+                Ok((!blocks.is_empty() || !tails.is_empty()).then_some(CacheChange::Stored { blocks, tails }))
             }
             KvEvent::Removed { hashes, medium, plain } => {
                 if !plain || !on_gpu(medium.as_deref()) {
                     return Ok(None);
                 }
-                let mut removed = Vec::new();
+                let (mut removed, mut tails) = (Vec::new(), Vec::new());
                 for point in hashes.iter().filter_map(|h| self.points.remove(h)) {
+                    tails.extend(point.tail(self.block));
                     for &h in point.completed.iter() {
                         if let Some(count) = self.held.get_mut(&h) {
                             *count -= 1;
@@ -133,7 +277,8 @@ impl EngineBlocks {
                         }
                     }
                 }
-                Ok((!removed.is_empty()).then_some(CacheChange::Removed(removed)))
+                Ok((!removed.is_empty() || !tails.is_empty())
+                    .then_some(CacheChange::Removed { blocks: removed, tails }))
             }
             KvEvent::Cleared => {
                 self.clear();
@@ -154,7 +299,7 @@ impl EngineBlocks {
         parent: Option<EngineHash>,
         tokens: &[u32],
         block_size: usize,
-    ) -> Result<Vec<u64>, FollowError> {
+    ) -> Result<(Vec<u64>, Vec<Tail>), FollowError> {
         let (mut seed, start, carried): (u64, u64, &[u32]) = match parent {
             None => (0, 0, &[]),
             Some(parent) => {
@@ -175,7 +320,7 @@ impl EngineBlocks {
         run.extend_from_slice(&tokens[..blocks * block_size]);
         let run: Arc<[u32]> = run.into();
         let mut boundary = run_start;
-        let mut stored = Vec::new();
+        let (mut stored, mut tails) = (Vec::new(), Vec::new());
         for (i, &hash) in hashes[..blocks].iter().enumerate() {
             let end = start + ((i + 1) * block_size) as u64;
             let first = stored.len();
@@ -195,17 +340,21 @@ impl EngineBlocks {
             for &h in &stored[first..] {
                 *self.held.entry(h).or_insert(0) += 1;
             }
+            let tail = point.tail(self.block);
             // The same engine block stored again (an engine that re-announces it): it completes its router
-            // blocks once.
-            if let Some(old) = self.points.insert(hash, point) {
-                for h in old.completed.iter() {
-                    if let Some(count) = self.held.get_mut(h) {
-                        *count = count.saturating_sub(1).max(1);
+            // blocks once, and holds its tail once.
+            match self.points.insert(hash, point) {
+                Some(old) => {
+                    for h in old.completed.iter() {
+                        if let Some(count) = self.held.get_mut(h) {
+                            *count = count.saturating_sub(1).max(1);
+                        }
                     }
                 }
+                None => tails.extend(tail),
             }
         }
-        Ok(stored)
+        Ok((stored, tails))
     }
 }
 
@@ -246,27 +395,55 @@ mod tests {
         out
     }
 
+    /// A change's blocks, and its tails as (seed, tokens).
+    fn parts(change: Result<Option<CacheChange>, FollowError>) -> (Vec<u64>, Vec<(u64, Vec<u32>)>) {
+        match change {
+            Ok(Some(CacheChange::Stored { blocks, tails } | CacheChange::Removed { blocks, tails })) => {
+                (blocks, tails.iter().map(|t| (t.seed, t.tokens().to_vec())).collect())
+            }
+            other => panic!("not a store or a removal: {other:?}"),
+        }
+    }
+
     #[test]
     fn one_token_pages_gather_into_router_blocks() {
         // SGLang with page size 1: ten tokens in one event, then three more continuing from the tenth.
         let tokens: Vec<u32> = (100..113).collect();
         let mut blocks = EngineBlocks::new(4, 1000);
+        let mut tails = HeldTails::default();
         let first = blocks.apply(&stored(&(0..10).collect::<Vec<_>>(), None, &tokens[..10], 1));
+        tails.apply(first.as_ref().unwrap().as_ref().unwrap());
         let expected = router_blocks(&tokens, 4);
-        assert_eq!(first, Ok(Some(CacheChange::Stored(expected[..2].to_vec()))));
+        let (got, got_tails) = parts(first);
+        assert_eq!(got, expected[..2]);
+        // Every page that does not end on a router boundary is a tail: three from the start, three after the first
+        // router block, two after the second.
+        assert_eq!(got_tails.len(), 8);
+        assert_eq!(got_tails[7], (expected[1], vec![108, 109]));
+        assert_eq!(tails.longest(expected[1], &[108, 109, 110, 111]), 2);
+        assert_eq!(tails.longest(expected[1], &[108, 999]), 1);
         let next = blocks.apply(&stored(&[10, 11, 12], Some(9), &tokens[10..], 1));
-        assert_eq!(next, Ok(Some(CacheChange::Stored(expected[2..3].to_vec()))));
+        assert_eq!(
+            parts(next),
+            (
+                expected[2..3].to_vec(),
+                vec![(expected[1], vec![108, 109, 110]), (expected[2], vec![112])]
+            )
+        );
         // Removing the page that completed the third router block removes it; a page in the middle of a router
-        // block removes nothing (no router block ends there).
+        // block removes its tail alone.
+        assert_eq!(parts(blocks.apply(&removed(&[11]))), (vec![expected[2]], vec![]));
+        let change = blocks.apply(&removed(&[9, 999]));
+        tails.apply(change.as_ref().unwrap().as_ref().unwrap());
+        assert_eq!(parts(change), (vec![], vec![(expected[1], vec![108, 109])]));
         assert_eq!(
-            blocks.apply(&removed(&[11])),
-            Ok(Some(CacheChange::Removed(vec![expected[2]])))
+            tails.longest(expected[1], &[108, 109, 110, 111]),
+            1,
+            "the page before it stays"
         );
-        assert_eq!(blocks.apply(&removed(&[9, 999])), Ok(None));
-        assert_eq!(
-            blocks.apply(&removed(&[7])),
-            Ok(Some(CacheChange::Removed(vec![expected[1]])))
-        );
+        assert_eq!(parts(blocks.apply(&removed(&[7]))), (vec![expected[1]], vec![]));
+        tails.apply(&CacheChange::Cleared);
+        assert!(tails.is_empty());
     }
 
     #[test]
@@ -274,11 +451,19 @@ mod tests {
         let tokens: Vec<u32> = (0..48).collect();
         let mut blocks = EngineBlocks::new(8, 1000);
         let expected = router_blocks(&tokens, 8);
-        let got = blocks.apply(&stored(&[1, 2], None, &tokens[..32], 16)).unwrap();
-        assert_eq!(got, Some(CacheChange::Stored(expected[..4].to_vec())));
+        let got = blocks.apply(&stored(&[1, 2], None, &tokens[..32], 16));
+        assert_eq!(parts(got), (expected[..4].to_vec(), vec![]));
+        assert_eq!(parts(blocks.apply(&removed(&[2]))), (expected[2..4].to_vec(), vec![]));
+        // Engine blocks of 16 tokens over router blocks of 12: the second ends 8 tokens into the third.
+        let mut blocks = EngineBlocks::new(12, 1000);
+        let expected = router_blocks(&tokens, 12);
+        let got = blocks.apply(&stored(&[1, 2], None, &tokens[..32], 16));
         assert_eq!(
-            blocks.apply(&removed(&[2])),
-            Ok(Some(CacheChange::Removed(expected[2..4].to_vec())))
+            parts(got),
+            (
+                expected[..2].to_vec(),
+                vec![(expected[0], vec![12, 13, 14, 15]), (expected[1], (24..32).collect())]
+            )
         );
     }
 
@@ -334,7 +519,7 @@ mod tests {
                 let change = blocks
                     .apply(&stored(&hashes, parent, &tokens[done * engine..(done + n) * engine], engine as u32))
                     .unwrap();
-                if let Some(CacheChange::Stored(h)) = change {
+                if let Some(CacheChange::Stored { blocks: h, .. }) = change {
                     got.extend(h);
                 }
                 parent = hashes.last().copied();

@@ -9,7 +9,7 @@
 //!
 //! The access log line goes to the `dprouter::access` log target at `info`, with the fields `method`, `path`,
 //! `status`, `duration_ms`, `request_id`, and for proxied requests `model`, `endpoint`, `branch`, `ttft_ms`,
-//! `prompt_tokens`, `cached_tokens` (absent when unknown).
+//! `prompt_tokens`, `cached_tokens`, `predicted_cached_tokens` (absent when unknown).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
@@ -40,6 +40,8 @@ struct ExchangeState {
     /// The engine's usage report, `u64::MAX` before it.
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
+    /// The cached tokens the policy predicted, `u64::MAX` if it did not.
+    predicted_cached_tokens: AtomicU64,
     /// The endpoint, the routing branch and the request's `model`.
     routed: OnceLock<(String, &'static str, Option<String>)>,
 }
@@ -52,6 +54,7 @@ impl Exchange {
             ttft_us: AtomicU64::new(UNKNOWN),
             prompt_tokens: AtomicU64::new(UNKNOWN),
             cached_tokens: AtomicU64::new(UNKNOWN),
+            predicted_cached_tokens: AtomicU64::new(UNKNOWN),
             ..ExchangeState::default()
         };
         Self(Arc::new(state))
@@ -74,6 +77,11 @@ impl Exchange {
     pub fn usage(&self, prompt_tokens: u64, cached_tokens: u64) {
         self.0.prompt_tokens.store(prompt_tokens, Relaxed);
         self.0.cached_tokens.store(cached_tokens, Relaxed);
+    }
+
+    /// The cached tokens the policy predicted for the request.
+    pub fn predicted(&self, cached_tokens: u64) {
+        self.0.predicted_cached_tokens.store(cached_tokens, Relaxed);
     }
 
     fn status(&self) -> Option<u16> {
@@ -161,6 +169,7 @@ impl Counted {
             ttft_ms = state.and_then(|s| known(&s.ttft_us)).map(|us| us as f64 / 1e3),
             prompt_tokens = state.and_then(|s| known(&s.prompt_tokens)),
             cached_tokens = state.and_then(|s| known(&s.cached_tokens)),
+            predicted_cached_tokens = state.and_then(|s| known(&s.predicted_cached_tokens)),
         );
     }
 }

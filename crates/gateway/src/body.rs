@@ -126,6 +126,7 @@ impl<B> GuardedBody<B> {
             // How far the policy's prediction of cached tokens was from the engine's report.
             if let Some(prefill) = ticket.pick.prefill_tokens {
                 let predicted = ticket.request().input_tokens.saturating_sub(prefill);
+                self.exchange.predicted(predicted);
                 metrics::histogram!(telemetry::PREDICTION_ERROR, "endpoint" => self.label.clone())
                     .record(predicted.abs_diff(usage.cached_tokens) as f64);
             }

@@ -705,9 +705,10 @@ mod tests {
     /// Runs `ops` on the cache and on a naive model and compares them after each; the cache's KV events, followed
     /// into router blocks of `router` tokens, must say exactly which router blocks it holds.
     fn agrees(page: usize, capacity: usize, ops: Vec<Op>, router: usize) -> Result<(), TestCaseError> {
-        use dprouter_core::engine_blocks::{CacheChange, EngineBlocks};
+        use dprouter_core::engine_blocks::{CacheChange, EngineBlocks, HeldTails};
         let mut radix = RadixCache::with_events(capacity, page);
         let mut followed = EngineBlocks::new(router, usize::MAX);
+        let mut tails = HeldTails::default();
         let mut held = std::collections::HashSet::new();
         let mut naive = Naive {
             map: BTreeMap::new(),
@@ -747,9 +748,13 @@ mod tests {
             }
             radix.check_invariants();
             for event in radix.take_events() {
-                match followed.apply(&event) {
-                    Ok(Some(CacheChange::Stored(h))) => held.extend(h),
-                    Ok(Some(CacheChange::Removed(h))) => h.iter().for_each(|h| {
+                let change = followed.apply(&event);
+                if let Ok(Some(change)) = &change {
+                    tails.apply(change);
+                }
+                match change {
+                    Ok(Some(CacheChange::Stored { blocks, .. })) => held.extend(blocks),
+                    Ok(Some(CacheChange::Removed { blocks, .. })) => blocks.iter().for_each(|h| {
                         held.remove(h);
                     }),
                     Ok(_) => {}
@@ -776,6 +781,17 @@ mod tests {
             prop_assert_eq!(radix.locked_size(), naive.locked_size());
             for p in &probes {
                 prop_assert_eq!(radix.cached_prefix_len(p), naive.cached_len(p));
+                // The router's blocks and tails say to the token what the cache holds of any prompt (when a page
+                // straddles no router boundary: a router block that ends inside a page is held, but not served).
+                if !router.is_multiple_of(page) {
+                    continue;
+                }
+                let mut hashes = Vec::new();
+                dprouter_core::hashing::block_hashes(&dprouter_core::Prompt::Tokens(p.clone()), router, &mut hashes);
+                let blocks = hashes.iter().take_while(|h| held.contains(*h)).count();
+                let seed = blocks.checked_sub(1).map_or(0, |last| hashes[last]);
+                let predicted = blocks * router + tails.longest(seed, &p[blocks * router..]);
+                prop_assert_eq!(predicted, radix.cached_prefix_len(p), "{:?}", p);
             }
         }
         Ok(())

@@ -2,7 +2,9 @@
 //!
 //! The gateway follows each such endpoint's events into the router's block hashes
 //! ([`crate::engine_blocks`]) and hands the changes to [`crate::policy::Policy::engine_cache`]: stored blocks are recorded (and
-//! count as *confirmed*), removed ones forgotten, a clear empties the endpoint. The endpoint is then *precise*:
+//! count as *confirmed*), removed ones forgotten, a clear empties the endpoint; the tokens held past each sequence's
+//! last whole block ([`crate::engine_blocks::Tail`]) are kept beside them, so a prediction there counts the
+//! engine's cached tokens to its page. The endpoint is then *precise*:
 //! the blocks of a request routed there are recorded at once, as in approximate mode (a burst of requests on one
 //! prefix must see where the first went before any event can say so), but only for `event_grace_ms`: when that
 //! has passed, those the events have not confirmed by then are forgotten (the engine did not keep them: the
@@ -17,7 +19,7 @@
 use std::collections::{HashSet, VecDeque};
 
 use crate::endpoint::EndpointId;
-use crate::engine_blocks::CacheChange;
+use crate::engine_blocks::{CacheChange, HeldTails};
 use crate::hashing::PassThroughBuild;
 
 use super::{CacheAware, State};
@@ -25,10 +27,19 @@ use super::{CacheAware, State};
 /// Precise mode's bookkeeping.
 #[derive(Debug, Default)]
 pub(super) struct EventState {
-    /// Per slot: the router blocks its engine's events say it holds; `None` while the slot is approximate.
-    confirmed: Vec<Option<HashSet<u64, PassThroughBuild>>>,
+    /// Per slot: what its engine's events say it holds; `None` while the slot is approximate.
+    held: Vec<Option<Held>>,
     /// Decisions at precise slots, oldest first.
     pending: VecDeque<Pending>,
+}
+
+/// What a precise slot's engine holds, as its events say.
+#[derive(Debug, Default)]
+struct Held {
+    /// Router blocks.
+    confirmed: HashSet<u64, PassThroughBuild>,
+    /// Tokens past the last whole router block of each sequence.
+    tails: HeldTails,
 }
 
 #[derive(Debug)]
@@ -65,15 +76,25 @@ impl EventState {
         self.confirmed(slot).is_some()
     }
 
-    fn confirmed(&self, slot: usize) -> Option<&HashSet<u64, PassThroughBuild>> {
-        self.confirmed.get(slot).and_then(Option::as_ref)
+    /// Tokens of `rest` past the router block `seed` (0: none) that `slot`'s engine holds: its tails' longest
+    /// match, in precise mode (0 in approximate mode, whose index knows whole blocks alone).
+    pub(super) fn tail_tokens(&self, slot: usize, seed: u64, rest: &[u32]) -> usize {
+        self.held(slot).map_or(0, |held| held.tails.longest(seed, rest))
     }
 
-    fn confirmed_mut(&mut self, slot: usize) -> &mut HashSet<u64, PassThroughBuild> {
-        if self.confirmed.len() <= slot {
-            self.confirmed.resize_with(slot + 1, || None);
+    fn held(&self, slot: usize) -> Option<&Held> {
+        self.held.get(slot).and_then(Option::as_ref)
+    }
+
+    fn confirmed(&self, slot: usize) -> Option<&HashSet<u64, PassThroughBuild>> {
+        self.held(slot).map(|held| &held.confirmed)
+    }
+
+    fn held_mut(&mut self, slot: usize) -> &mut Held {
+        if self.held.len() <= slot {
+            self.held.resize_with(slot + 1, || None);
         }
-        self.confirmed[slot].get_or_insert_with(HashSet::default)
+        self.held[slot].get_or_insert_with(Held::default)
     }
 }
 
@@ -110,24 +131,27 @@ impl State {
     fn apply(&mut self, slot: usize, change: &CacheChange) {
         let was_precise = self.events.confirmed(slot).is_some();
         match change {
-            CacheChange::Stored(hashes) => {
-                self.index.record(slot, hashes);
-                self.events.confirmed_mut(slot).extend(hashes.iter().copied());
+            CacheChange::Stored { blocks, .. } => {
+                self.index.record(slot, blocks);
+                let held = self.events.held_mut(slot);
+                held.confirmed.extend(blocks.iter().copied());
+                held.tails.apply(change);
             }
-            CacheChange::Removed(hashes) => {
-                self.index.forget_from(slot, hashes, 0);
-                let confirmed = self.events.confirmed_mut(slot);
-                for h in hashes {
-                    confirmed.remove(h);
+            CacheChange::Removed { blocks, .. } => {
+                self.index.forget_from(slot, blocks, 0);
+                let held = self.events.held_mut(slot);
+                for h in blocks {
+                    held.confirmed.remove(h);
                 }
+                held.tails.apply(change);
             }
             CacheChange::Cleared => {
                 self.index.clear_slot(slot);
-                self.events.confirmed_mut(slot).clear();
+                *self.events.held_mut(slot) = Held::default();
             }
             CacheChange::Untracked => {
-                if let Some(confirmed) = self.events.confirmed.get_mut(slot) {
-                    *confirmed = None;
+                if let Some(held) = self.events.held.get_mut(slot) {
+                    *held = None;
                 }
             }
         }
@@ -216,15 +240,79 @@ mod tests {
         let p = policy();
         let prompt = tokens(1, 640);
         let third = snap.endpoints()[2].id;
-        p.engine_cache(third, &CacheChange::Stored(blocks(&prompt)), 0);
+        p.engine_cache(
+            third,
+            &CacheChange::Stored {
+                blocks: blocks(&prompt),
+                tails: Vec::new(),
+            },
+            0,
+        );
         assert!(p.is_precise(third));
         let pick = route(&p, &snap, &at(&prompt, 1)).unwrap();
         assert_eq!((pick.rank, pick.branch), (2, Branch::Hit));
         // The engine evicted it, then flushed everything: the index follows.
-        p.engine_cache(third, &CacheChange::Removed(blocks(&prompt)[10..].to_vec()), 2);
+        p.engine_cache(
+            third,
+            &CacheChange::Removed {
+                blocks: blocks(&prompt)[10..].to_vec(),
+                tails: Vec::new(),
+            },
+            2,
+        );
         assert_eq!(p.predicted_cached(&snap, &at(&prompt, 3))[2], 160);
         p.engine_cache(third, &CacheChange::Cleared, 4);
         assert_eq!(p.predicted_cached(&snap, &at(&prompt, 5))[2], 0);
+    }
+
+    #[test]
+    fn predictions_count_the_engines_tokens_past_the_last_whole_block() {
+        use crate::engine_blocks::EngineBlocks;
+        use crate::kv_events::KvEvent;
+        let snap = Snapshot::single_worker(2);
+        let p = policy();
+        let id = snap.endpoints()[1].id;
+        // SGLang's one-token pages: a 600-token prompt and its 50-token answer, 650 tokens, 40 blocks and 10 more.
+        let answered = tokens(7, 650);
+        let mut engine = EngineBlocks::new(BLOCK, usize::MAX);
+        let mut follow = |event: KvEvent| {
+            if let Some(change) = engine.apply(&event).unwrap() {
+                p.engine_cache(id, &change, 0);
+            }
+        };
+        follow(KvEvent::Stored {
+            hashes: (0..650).collect(),
+            parent: None,
+            tokens: answered.clone(),
+            block_size: 1,
+            medium: None,
+            plain: true,
+        });
+        let mut next = answered.clone();
+        next.extend(tokens(8, 100));
+        assert_eq!(p.predicted_cached(&snap, &at(&next, 1))[1], 650);
+        // A turn that edits the answer's last tokens finds only what it shares.
+        let mut edited = answered[..645].to_vec();
+        edited.extend(tokens(9, 100));
+        assert_eq!(p.predicted_cached(&snap, &at(&edited, 1))[1], 645);
+        // The engine evicts the last three pages, then the rest past the 40th block: the whole blocks remain.
+        follow(KvEvent::Removed {
+            hashes: vec![647, 648, 649],
+            medium: None,
+            plain: true,
+        });
+        assert_eq!(p.predicted_cached(&snap, &at(&next, 2))[1], 647);
+        follow(KvEvent::Removed {
+            hashes: (640..647).rev().collect(),
+            medium: None,
+            plain: true,
+        });
+        assert_eq!(p.predicted_cached(&snap, &at(&next, 3))[1], 640);
+        // Without events: whole blocks of what was routed there.
+        let approximate = policy();
+        let one = Snapshot::single_worker(1);
+        route(&approximate, &one, &at(&answered, 0)).unwrap();
+        assert_eq!(approximate.predicted_cached(&one, &at(&next, 1))[0], 640);
     }
 
     #[test]
@@ -238,7 +326,14 @@ mod tests {
         let kept_at = route(&p, &snap, &at(&kept, 0)).unwrap().rank;
         let lost_at = route(&p, &snap, &at(&lost, 0)).unwrap().rank;
         // Only the first was stored by its engine.
-        p.engine_cache(snap.endpoints()[kept_at].id, &CacheChange::Stored(blocks(&kept)), 500);
+        p.engine_cache(
+            snap.endpoints()[kept_at].id,
+            &CacheChange::Stored {
+                blocks: blocks(&kept),
+                tails: Vec::new(),
+            },
+            500,
+        );
         let held = |t: &[u32], rank: usize, now| p.predicted_cached(&snap, &at(t, now))[rank];
         assert_eq!(
             (held(&kept, kept_at, 999_000), held(&lost, lost_at, 999_000)),

@@ -205,11 +205,16 @@ impl CacheAware {
         out
     }
 
-    /// Cached tokens of `req` on an endpoint holding `blocks` of its leading blocks.
-    fn cached_tokens(&self, req: &RouteRequest, blocks: usize) -> u64 {
+    /// Cached tokens of `req` (of block hashes `hashes`) at `slot`, whose index holds `blocks` of its leading
+    /// blocks; in precise mode, also the tokens of the next block its engine holds.
+    fn cached_tokens(&self, state: &State, slot: usize, req: &RouteRequest, hashes: &[u64], blocks: usize) -> u64 {
         let units = (blocks * self.block_units(&req.prompt)) as u64;
-        let tokens = match req.prompt {
-            Prompt::Tokens(_) => units,
+        let tokens = match &req.prompt {
+            Prompt::Tokens(t) => {
+                let seed = blocks.checked_sub(1).map_or(0, |last| hashes[last]);
+                let rest = t.get(units as usize..).unwrap_or_default();
+                units + state.events.tail_tokens(slot, seed, rest) as u64
+            }
             Prompt::Bytes(_) => units / BYTES_PER_TOKEN,
         };
         tokens.min(req.input_tokens.saturating_sub(1))
@@ -300,7 +305,7 @@ impl CacheAware {
         state
             .slot_of_rank
             .iter()
-            .map(|&s| self.cached_tokens(req, lens[s] as usize))
+            .map(|&s| self.cached_tokens(&state, s, req, &hashes, lens[s] as usize))
             .collect()
     }
 }
@@ -353,7 +358,8 @@ impl Policy for CacheAware {
             .map(|r| {
                 let blocks = blocks_at(r);
                 let load = snap.load(r);
-                let uncached = req.input_tokens - self.cached_tokens(req, blocks);
+                let uncached =
+                    req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks);
                 let ttft = self.predicted_ttft_us(
                     load.queued_prefill_requests(),
                     load.queued_prefill_tokens(),
