@@ -30,6 +30,17 @@ pub struct CostArgs {
     /// Whether decode on every rank pauses while any rank prefills (DP attention): true or false.
     #[arg(long)]
     prefill_stalls_decode: Option<bool>,
+    /// How much the ranks' prefills share compute (expert parallelism): while k ranks prefill, each advances at
+    /// 1 / (1 + C·(k − 1)) of its speed; 0 independent ranks, 1 one shared pool.
+    #[arg(long, value_name = "C", value_parser = parse_contention)]
+    prefill_contention: Option<f64>,
+}
+
+fn parse_contention(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(c) if (0.0..=1.0).contains(&c) => Ok(c),
+        _ => Err(format!("`{value}` is not a number from 0 to 1")),
+    }
 }
 
 fn parse_preset(name: &str) -> Result<String, String> {
@@ -63,6 +74,9 @@ impl CostArgs {
         }
         if let Some(v) = self.prefill_stalls_decode {
             cost.prefill_stalls_decode = v;
+        }
+        if let Some(v) = self.prefill_contention {
+            cost.prefill_contention = v;
         }
         if let Some(v) = self.page_size {
             cost.page_size = usize::try_from(v).context("page size too large")?;

@@ -94,9 +94,14 @@ impl MockEngineArgs {
         for rate in [self.error_rate, self.unavailable_rate, self.drop_rate] {
             anyhow::ensure!((0.0..=1.0).contains(&rate), "fault rates must be within [0, 1]");
         }
+        let cost = self.cost.model()?;
+        anyhow::ensure!(
+            cost.prefill_contention == 0.0,
+            "--prefill-contention is modelled by `simulate` alone: the mock engine's ranks prefill independently"
+        );
         Ok(EngineConfig {
             dp_size: self.dp_size,
-            cost: self.cost.model()?,
+            cost,
             time_scale: self.time_scale,
             api: match self.api {
                 ApiArg::Sglang => Api::Sglang,

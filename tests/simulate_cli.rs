@@ -132,6 +132,7 @@ fn bad_arguments_exit_two_and_bad_traces_fail() {
         &["--workload", "agent:agentz=3", "--dp-size", "4"],
         &["--workload", "agent", "--dp-size", "4", "--policy", "random"],
         &["--workload", "agent", "--dp-size", "0"],
+        &["--workload", "agent", "--dp-size", "4", "--prefill-contention", "1.5"],
     ] {
         let out = simulate(args);
         assert_eq!(
@@ -144,6 +145,13 @@ fn bad_arguments_exit_two_and_bad_traces_fail() {
     let out = simulate(&["--workload", "trace:/nonexistent/trace.jsonl", "--dp-size", "2"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read trace"));
+    // Prefill contention is the simulator's alone: the mock engine says so rather than ignore it.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .args(["mock-engine", "--listen", "127.0.0.1:0", "--prefill-contention", "0.5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--prefill-contention is modelled by `simulate` alone"));
 }
 
 #[test]

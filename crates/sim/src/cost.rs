@@ -7,7 +7,8 @@
 //! decode     : the remaining output tokens at tpot · (1 + decode_slowdown · (running − 1)) each, with `running` the
 //!              requests decoding on that rank when this one starts
 //! KV         : a radix cache of `kv_capacity` tokens per rank
-//! coupling   : with `prefill_stalls_decode`, decode on every rank stands still while any rank prefills
+//! coupling   : with `prefill_stalls_decode`, decode on every rank stands still while any rank prefills;
+//!              with `prefill_contention` c, k ranks prefilling at once each advance at 1 / (1 + c·(k − 1)) speed
 //! ```
 //!
 //! Presets:
@@ -52,6 +53,11 @@ pub struct CostModel {
     /// each forward pass together (the MoE layers exchange tokens across them).
     #[serde(default)]
     pub prefill_stalls_decode: bool,
+    /// How much the ranks' prefills share compute (expert parallelism: every rank's MoE layers run on the same
+    /// experts): while k ranks prefill, each advances at `1 / (1 + prefill_contention · (k − 1))` of its speed; 0
+    /// independent ranks, 1 one pool ([`crate::shared_prefill`]).
+    #[serde(default)]
+    pub prefill_contention: f64,
 }
 
 impl CostModel {
@@ -67,6 +73,7 @@ impl CostModel {
                 kv_capacity: 500_000,
                 page_size: 1,
                 prefill_stalls_decode: true,
+                prefill_contention: 0.0,
             }),
             "h100-8b" => Some(Self {
                 base_s: 0.025,
@@ -76,6 +83,7 @@ impl CostModel {
                 kv_capacity: 400_000,
                 page_size: 1,
                 prefill_stalls_decode: false,
+                prefill_contention: 0.0,
             }),
             "zero" => Some(Self::ZERO),
             _ => None,
@@ -91,6 +99,7 @@ impl CostModel {
         kv_capacity: 1_000_000,
         page_size: 1,
         prefill_stalls_decode: false,
+        prefill_contention: 0.0,
     };
 
     /// Service time of one prefill with `uncached` new tokens.

@@ -8,6 +8,7 @@ pub mod decode_clock;
 pub mod oracle;
 pub mod radix;
 pub mod report;
+pub mod shared_prefill;
 pub mod simulator;
 pub mod tokens;
 pub mod workload;

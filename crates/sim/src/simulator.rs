@@ -37,6 +37,7 @@ use crate::cost::{CostModel, Micros};
 use crate::decode_clock::DecodeClock;
 use crate::oracle::Oracle;
 use crate::radix::{LockId, RadixCache};
+use crate::shared_prefill::{Due, SharedPrefill};
 use crate::tokens;
 use crate::workload::{SimRequest, Workload, WorkloadError};
 
@@ -134,7 +135,8 @@ pub struct SimOutcome {
 enum Event {
     Removal,
     Arrival(usize),
-    PrefillDone(usize),
+    /// A prefill may be done (stale unless its number is the one [`SharedPrefill`] last gave it).
+    PrefillDue(u64),
     /// Decodes may be complete (stale unless its number is the latest [`Sim::decode_wakeup`]).
     DecodeDue(u64),
     /// A rank's KV events reach the policy (the batch's number in [`Sim::published`]).
@@ -190,6 +192,8 @@ struct Sim<'a> {
     last_report: Option<Micros>,
     /// When running decodes finish.
     decode: DecodeClock,
+    /// When prefills end.
+    prefill: SharedPrefill,
     /// The number of the one [`Event::DecodeDue`] that is current; earlier ones are stale.
     decode_wakeup: u64,
     /// KV event batches on their way to the policy: their rank and events, by number.
@@ -258,6 +262,7 @@ pub fn simulate_replicas(
         seq: 0,
         last_report: None,
         decode: DecodeClock::new(config.cost.prefill_stalls_decode),
+        prefill: SharedPrefill::new(config.cost.prefill_contention),
         decode_wakeup: 0,
         published: std::collections::HashMap::new(),
         outcome: SimOutcome {
@@ -274,7 +279,12 @@ pub fn simulate_replicas(
         match event {
             Event::Removal => sim.remove_rank(),
             Event::Arrival(slot) => sim.arrive(slot, now),
-            Event::PrefillDone(rank) => sim.prefill_done(rank, now),
+            Event::PrefillDue(version) => {
+                if let Some((rank, moved)) = sim.prefill.end(version, now) {
+                    sim.schedule_prefills(moved);
+                    sim.prefill_done(rank, now);
+                }
+            }
             Event::DecodeDue(wakeup) if wakeup == sim.decode_wakeup => {
                 for slot in sim.decode.take_due(now) {
                     sim.decode_done(slot, now);
@@ -328,6 +338,12 @@ impl<'a> Sim<'a> {
                     router.policy.engine_cache(endpoint, &change, now);
                 }
             }
+        }
+    }
+
+    fn schedule_prefills(&mut self, due: Vec<Due>) {
+        for d in due {
+            self.schedule(d.at, Event::PrefillDue(d.version));
         }
     }
 
@@ -466,9 +482,9 @@ impl<'a> Sim<'a> {
         }
         rank.prefilling = Some(slot);
         live.prefill = self.config.cost.prefill(live.req.tokens.len() - cached);
-        let done = now + live.prefill;
+        let due = self.prefill.start(r, live.prefill, now);
         self.publish_events(r, now);
-        self.schedule(done, Event::PrefillDone(r));
+        self.schedule_prefills(due);
         self.decode.prefill_started(now);
         self.wake_decode();
     }
@@ -595,6 +611,23 @@ mod tests {
         let without = Summary::new("p", &run("prefix_match", &mut four(), &coupled)).throughput_rps;
         assert!((with - 0.41).abs() < 0.02, "{with} req/s");
         assert!(without > 0.55, "{without} req/s");
+    }
+
+    #[test]
+    fn contending_prefills_slow_the_policies_that_spread_them() {
+        let four = || {
+            agents_workload(AgentConfig {
+                agents: 4,
+                ..AgentConfig::default()
+            })
+        };
+        let mut shared = config(16, "seed-moe");
+        let rps = |policy, c: &SimConfig| Summary::new("p", &run(policy, &mut four(), c)).throughput_rps;
+        let (spread, gathered) = (rps("round_robin", &shared), rps("prefix_match", &shared));
+        shared.cost.prefill_contention = 1.0;
+        // round_robin's prefills overlap on different ranks and now share one pool; prefix_match's never overlap.
+        assert!(rps("round_robin", &shared) < 0.6 * spread);
+        assert_eq!(rps("prefix_match", &shared), gathered);
     }
 
     #[test]
