@@ -160,6 +160,8 @@ fn build_config(spec: &str, cost: &CostModel) -> anyhow::Result<PolicyConfig> {
                 .or_insert(cost.prefill_tokens_per_s.into());
         }
         obj.entry("base_ms").or_insert((cost.base_s * 1000.0).into());
+        obj.entry("prefill_contention")
+            .or_insert(cost.prefill_contention.into());
     }
     Ok(PolicyConfig::from_object(obj)?)
 }

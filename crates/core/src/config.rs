@@ -228,6 +228,12 @@ impl PolicyConfig {
                         return fail(field, format!("must be a finite number at least 0, got {value}"));
                     }
                 }
+                if !(0.0..=1.0).contains(&c.prefill_contention) {
+                    return fail(
+                        "prefill_contention",
+                        format!("must be from 0 to 1, got {}", c.prefill_contention),
+                    );
+                }
                 if !(c.recent_half_life_s.is_finite() && c.recent_half_life_s > 0.0) {
                     return fail(
                         "recent_half_life_s",
@@ -310,6 +316,7 @@ mod tests {
             ("cache_aware:prefill_tokens_per_s=0", "prefill_tokens_per_s"),
             ("cache_aware:prefill_tokens_per_s=-1", "prefill_tokens_per_s"),
             ("cache_aware:base_ms=-0.5", "base_ms"),
+            ("cache_aware:prefill_contention=1.5", "prefill_contention"),
             ("cache_aware:congestion_weight=-1", "congestion_weight"),
             ("cache_aware:eviction_weight=-1", "eviction_weight"),
             ("cache_aware:recent_half_life_s=0", "recent_half_life_s"),

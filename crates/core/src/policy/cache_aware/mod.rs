@@ -24,7 +24,9 @@
 //!    candidate's own queue, not the fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still
 //!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Add
 //!    `eviction_weight` times the prefill time of the blocks of other prompts the endpoint would have to forget
-//!    to make room (its capacity, less what the index holds there): they cost that again if asked for. Ties go to
+//!    to make room (its capacity, less what the index holds there): they cost that again if asked for. When the
+//!    endpoints' prefills share compute (`prefill_contention`, [`contention`]), TTFT also grows by that share of
+//!    the time it overlaps the prefill work queued at the other endpoints. Ties go to
 //!    the longer match, then endpoints within their share of recent requests ([`recent`]), then the fewer requests
 //!    in flight, then the fewer blocks to forget, then the higher rendezvous score of the prompt's first block (or
 //!    of the client's session hint, [`RouteRequest::session`]). So a prompt that no endpoint holds (branch `cold`)
@@ -73,6 +75,7 @@ use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
 use crate::policy::{Branch, Candidates, Matched, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
+mod contention;
 mod events;
 mod learned;
 mod recent;
@@ -88,6 +91,9 @@ pub struct CacheAwareConfig {
     pub prefill_tokens_per_s: f64,
     /// Fixed time per prefill, milliseconds.
     pub base_ms: f64,
+    /// How much the endpoints' prefills share compute (expert parallelism): a prefill is predicted to take
+    /// `1 + prefill_contention · k` times as long while k other endpoints prefill; 0 (independent ranks) to 1.
+    pub prefill_contention: f64,
     /// Learn from the engines' reported cached tokens: a refuted prediction bounds how much of the prompts the
     /// index sees the endpoint really keeps, and the index forgets at that capacity when it is below the given
     /// one ([`learned`]; not in precise mode).
@@ -120,6 +126,7 @@ impl Default for CacheAwareConfig {
             kv_capacity_tokens: 400_000,
             prefill_tokens_per_s: 25_000.0,
             base_ms: 25.0,
+            prefill_contention: 0.0,
             correct_on_feedback: true,
             prefill_progress: true,
             congestion_weight: 1.0,
@@ -353,6 +360,29 @@ impl Policy for CacheAware {
         let block = self.config.block_tokens as u64;
         let recent_at = |r: usize| state.recent.count(state.slot_of_rank[r], req.now_us, half_life_us);
         let mean_recent = c.iter().map(recent_at).sum::<f64>() / c.iter().count().max(1) as f64;
+        let progress_at = |r: usize| {
+            let load = snap.load(r);
+            match self.config.prefill_progress {
+                true => load.prefill_elapsed_us(req.now_us),
+                false => 0,
+            }
+        };
+        // Each endpoint's queued prefill work, when prefills contend across endpoints.
+        let queued_work = |r: usize| {
+            let load = snap.load(r);
+            self.predicted_ttft_us(
+                load.queued_prefill_requests(),
+                load.queued_prefill_tokens(),
+                progress_at(r),
+                0,
+            )
+            .saturating_sub(self.prefill_us(1, 0))
+        };
+        let contention = self.config.prefill_contention;
+        let overlap = match contention > 0.0 {
+            true => contention::Overlap::new(c.iter().map(queued_work).collect()),
+            false => contention::Overlap::default(),
+        };
         let (rank, blocks, uncached) = c
             .iter()
             .map(|r| {
@@ -360,16 +390,16 @@ impl Policy for CacheAware {
                 let load = snap.load(r);
                 let uncached =
                     req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks);
-                let ttft = self.predicted_ttft_us(
+                let mut ttft = self.predicted_ttft_us(
                     load.queued_prefill_requests(),
                     load.queued_prefill_tokens(),
-                    if self.config.prefill_progress {
-                        load.prefill_elapsed_us(req.now_us)
-                    } else {
-                        0
-                    },
+                    progress_at(r),
                     uncached,
                 );
+                if contention > 0.0 {
+                    // Work queued elsewhere slows this endpoint's queue and prefill while they overlap.
+                    ttft += (contention * overlap.with_others(ttft, queued_work(r)) as f64) as u64;
+                }
                 let own = self.prefill_us(0, uncached);
                 let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
                 let evicted = evicted_at(r, blocks);
