@@ -25,14 +25,14 @@
 //!
 //! Cost: O(tokens) hashing per stored event, O(1) per removed block. Memory: about 60 bytes per engine block plus
 //! 4 bytes per token of the events still referenced (SGLang's one-token pages make that about 64 bytes per cached
-//! token: 25 MB for a 400,000-token rank), bounded by `max_blocks`. [`HeldTails`] keeps about 40 bytes per engine
-//! block that ends inside a router block (sharing the events' tokens), and a look-up compares the tails after one
-//! router block: with one-token pages, up to a block's worth of tails of up to a block's tokens.
+//! token: 25 MB for a 400,000-token rank), bounded by `max_blocks`. [`HeldTails`] keeps about 60 bytes per engine
+//! block that ends inside a router block (sharing the events' tokens); a look-up probes at most a block's worth of
+//! prefixes, however many sequences branch after that block.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::hashing::token_block_hash;
+use crate::hashing::{token_block_hash, PassThroughBuild};
 use crate::kv_events::{EngineHash, KvEvent};
 
 /// What the router's index must do for an endpoint after an event.
@@ -82,12 +82,28 @@ impl PartialEq for Tail {
 
 impl Eq for Tail {}
 
-/// The tails an endpoint holds, by the router block before them (see the module documentation).
+/// The tails an endpoint holds (see the module documentation), found by the router block before them and their
+/// tokens: a look-up probes each prefix of what follows the block, so its cost does not grow with the number of
+/// sequences that branch there.
 #[derive(Debug, Default)]
 pub struct HeldTails {
-    /// Per seed: each distinct tail, with how many engine blocks report it.
-    by_seed: HashMap<u64, Vec<(Tail, u32)>>,
+    /// By [`tail_key`]: each distinct tail with how many engine blocks report it (a key's rare collisions share
+    /// its list).
+    tails: HashMap<u64, Vec<(Tail, u32)>, PassThroughBuild>,
+    /// Per seed: the tails held there and the longest length seen while any is (it bounds a look-up's probes).
+    seeds: HashMap<u64, (usize, usize), PassThroughBuild>,
     count: usize,
+}
+
+/// The key of a tail, one token at a time from its seed's.
+fn tail_key(key: u64, token: u32) -> u64 {
+    (key ^ u64::from(token))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .rotate_left(29)
+}
+
+fn key_of(tail: &Tail) -> u64 {
+    tail.tokens().iter().fold(tail.seed, |key, &t| tail_key(key, t))
 }
 
 impl HeldTails {
@@ -96,36 +112,48 @@ impl HeldTails {
         match change {
             CacheChange::Stored { tails, .. } => {
                 for tail in tails {
-                    let held = self.by_seed.entry(tail.seed).or_default();
+                    let held = self.tails.entry(key_of(tail)).or_default();
                     match held.iter_mut().find(|(t, _)| t == tail) {
                         Some((_, n)) => *n += 1,
                         None => {
                             held.push((tail.clone(), 1));
                             self.count += 1;
+                            let seed = self.seeds.entry(tail.seed).or_insert((0, 0));
+                            seed.0 += 1;
+                            seed.1 = seed.1.max(tail.len as usize);
                         }
                     }
                 }
             }
             CacheChange::Removed { tails, .. } => {
                 for tail in tails {
-                    let Some(held) = self.by_seed.get_mut(&tail.seed) else {
+                    let key = key_of(tail);
+                    let Some(held) = self.tails.get_mut(&key) else {
                         continue;
                     };
                     let Some(i) = held.iter().position(|(t, _)| t == tail) else {
                         continue;
                     };
                     held[i].1 -= 1;
-                    if held[i].1 == 0 {
-                        held.swap_remove(i);
-                        self.count -= 1;
-                        if held.is_empty() {
-                            self.by_seed.remove(&tail.seed);
+                    if held[i].1 > 0 {
+                        continue;
+                    }
+                    held.swap_remove(i);
+                    if held.is_empty() {
+                        self.tails.remove(&key);
+                    }
+                    self.count -= 1;
+                    if let Some(seed) = self.seeds.get_mut(&tail.seed) {
+                        seed.0 -= 1;
+                        if seed.0 == 0 {
+                            self.seeds.remove(&tail.seed);
                         }
                     }
                 }
             }
             CacheChange::Cleared | CacheChange::Untracked => {
-                self.by_seed.clear();
+                self.tails.clear();
+                self.seeds.clear();
                 self.count = 0;
             }
         }
@@ -135,35 +163,18 @@ impl HeldTails {
     /// holds: the longest tail there that `rest` begins with (engines evict a sequence's pages from its end, so the
     /// shorter ones are held too).
     pub fn longest(&self, seed: u64, rest: &[u32]) -> usize {
-        let Some(held) = self.by_seed.get(&seed) else {
+        let Some(&(_, longest)) = self.seeds.get(&seed) else {
             return 0;
         };
-        // Tails of one event's window are prefixes of each other and come in order (one-token pages give a block's
-        // worth of them): each window's tokens are compared with `rest` once.
-        let mut best = 0;
-        let mut window: Option<((*const u32, u32), usize, bool)> = None;
-        for (tail, _) in held {
-            let len = tail.len as usize;
-            if len <= best {
-                continue;
-            }
-            let id = (tail.run.as_ptr(), tail.from);
-            let (mut same, mut diverged) = match window {
-                Some((w, same, diverged)) if w == id => (same, diverged),
-                _ => (0, false),
-            };
-            if !diverged && same < len {
-                let tokens = &tail.tokens()[same..];
-                same += tokens
-                    .iter()
-                    .zip(rest.get(same..).unwrap_or_default())
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                diverged = same < len;
-            }
-            window = Some((id, same, diverged));
-            if same >= len {
-                best = len;
+        let (mut key, mut best) = (seed, 0);
+        for (i, &token) in rest.iter().take(longest).enumerate() {
+            key = tail_key(key, token);
+            let held = self
+                .tails
+                .get(&key)
+                .is_some_and(|held| held.iter().any(|(t, _)| t.seed == seed && t.tokens() == &rest[..=i]));
+            if held {
+                best = i + 1;
             }
         }
         best
