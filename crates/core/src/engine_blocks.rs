@@ -76,7 +76,8 @@ impl Tail {
 
 impl PartialEq for Tail {
     fn eq(&self, other: &Self) -> bool {
-        self.seed == other.seed && self.tokens() == other.tokens()
+        let same_window = Arc::ptr_eq(&self.run, &other.run) && self.from == other.from && self.len == other.len;
+        self.seed == other.seed && (same_window || self.tokens() == other.tokens())
     }
 }
 
@@ -87,9 +88,10 @@ impl Eq for Tail {}
 /// sequences that branch there.
 #[derive(Debug, Default)]
 pub struct HeldTails {
-    /// By [`tail_key`]: each distinct tail with how many engine blocks report it (a key's rare collisions share
-    /// its list).
-    tails: HashMap<u64, Vec<(Tail, u32)>, PassThroughBuild>,
+    /// By [`tail_key`]: each distinct tail with how many engine blocks report it.
+    tails: HashMap<u64, (Tail, u32), PassThroughBuild>,
+    /// Tails whose key another tail holds (a collision of 64-bit keys: practically never).
+    collided: Vec<(u64, Tail, u32)>,
     /// Per seed: the tails held there and the longest length seen while any is (it bounds a look-up's probes).
     seeds: HashMap<u64, (usize, usize), PassThroughBuild>,
     count: usize,
@@ -102,8 +104,26 @@ fn tail_key(key: u64, token: u32) -> u64 {
         .rotate_left(29)
 }
 
-fn key_of(tail: &Tail) -> u64 {
-    tail.tokens().iter().fold(tail.seed, |key, &t| tail_key(key, t))
+/// The keys of `tails`, in order. An event's tails after one block are prefixes of one window of its tokens (one
+/// per page, stored in order, removed in any), so the keys of a window's prefixes are computed once:
+/// O(tokens of the window), not O(tokens of every tail).
+fn keys_of(tails: &[Tail]) -> impl Iterator<Item = u64> + '_ {
+    let mut window: Option<&Tail> = None;
+    let mut keys: Vec<u64> = Vec::new();
+    tails.iter().map(move |tail| {
+        let same = window.is_some_and(|w| w.seed == tail.seed && Arc::ptr_eq(&w.run, &tail.run) && w.from == tail.from);
+        if !same {
+            window = Some(tail);
+            keys.clear();
+        }
+        let run = &tail.run[tail.from as usize..];
+        while keys.len() < tail.len as usize {
+            let key = keys.last().copied().unwrap_or(tail.seed);
+            keys.push(tail_key(key, run[keys.len()]));
+        }
+        // A tail holds at least one token.
+        keys[tail.len.max(1) as usize - 1]
+    })
 }
 
 impl HeldTails {
@@ -111,36 +131,19 @@ impl HeldTails {
     pub fn apply(&mut self, change: &CacheChange) {
         match change {
             CacheChange::Stored { tails, .. } => {
-                for tail in tails {
-                    let held = self.tails.entry(key_of(tail)).or_default();
-                    match held.iter_mut().find(|(t, _)| t == tail) {
-                        Some((_, n)) => *n += 1,
-                        None => {
-                            held.push((tail.clone(), 1));
-                            self.count += 1;
-                            let seed = self.seeds.entry(tail.seed).or_insert((0, 0));
-                            seed.0 += 1;
-                            seed.1 = seed.1.max(tail.len as usize);
-                        }
+                for (tail, key) in tails.iter().zip(keys_of(tails)) {
+                    if self.add(key, tail) {
+                        self.count += 1;
+                        let seed = self.seeds.entry(tail.seed).or_insert((0, 0));
+                        seed.0 += 1;
+                        seed.1 = seed.1.max(tail.len as usize);
                     }
                 }
             }
             CacheChange::Removed { tails, .. } => {
-                for tail in tails {
-                    let key = key_of(tail);
-                    let Some(held) = self.tails.get_mut(&key) else {
+                for (tail, key) in tails.iter().zip(keys_of(tails)) {
+                    if !self.drop(key, tail) {
                         continue;
-                    };
-                    let Some(i) = held.iter().position(|(t, _)| t == tail) else {
-                        continue;
-                    };
-                    held[i].1 -= 1;
-                    if held[i].1 > 0 {
-                        continue;
-                    }
-                    held.swap_remove(i);
-                    if held.is_empty() {
-                        self.tails.remove(&key);
                     }
                     self.count -= 1;
                     if let Some(seed) = self.seeds.get_mut(&tail.seed) {
@@ -153,10 +156,58 @@ impl HeldTails {
             }
             CacheChange::Cleared | CacheChange::Untracked => {
                 self.tails.clear();
+                self.collided.clear();
                 self.seeds.clear();
                 self.count = 0;
             }
         }
+    }
+
+    /// Counts one more engine block reporting `tail`; true if it is new.
+    fn add(&mut self, key: u64, tail: &Tail) -> bool {
+        match self.tails.entry(key) {
+            std::collections::hash_map::Entry::Vacant(v) => {
+                v.insert((tail.clone(), 1));
+                true
+            }
+            std::collections::hash_map::Entry::Occupied(mut o) if o.get().0 == *tail => {
+                o.get_mut().1 += 1;
+                false
+            }
+            std::collections::hash_map::Entry::Occupied(_) => {
+                match self.collided.iter_mut().find(|(k, t, _)| *k == key && t == tail) {
+                    Some((_, _, n)) => {
+                        *n += 1;
+                        false
+                    }
+                    None => {
+                        self.collided.push((key, tail.clone(), 1));
+                        true
+                    }
+                }
+            }
+        }
+    }
+
+    /// Counts one engine block fewer reporting `tail`; true if none does any more.
+    fn drop(&mut self, key: u64, tail: &Tail) -> bool {
+        if let Some((_, n)) = self.tails.get_mut(&key).filter(|(held, _)| held == tail) {
+            *n -= 1;
+            let gone = *n == 0;
+            if gone {
+                self.tails.remove(&key);
+            }
+            return gone;
+        }
+        let Some(i) = self.collided.iter().position(|(k, t, _)| *k == key && t == tail) else {
+            return false;
+        };
+        self.collided[i].2 -= 1;
+        let gone = self.collided[i].2 == 0;
+        if gone {
+            self.collided.swap_remove(i);
+        }
+        gone
     }
 
     /// Tokens of `rest` (what follows the router block `seed` in a prompt; 0: the prompt's start) the endpoint
@@ -167,12 +218,11 @@ impl HeldTails {
             return 0;
         };
         let (mut key, mut best) = (seed, 0);
+        let is_it = |t: &Tail, len: usize| t.seed == seed && t.tokens() == &rest[..len];
         for (i, &token) in rest.iter().take(longest).enumerate() {
             key = tail_key(key, token);
-            let held = self
-                .tails
-                .get(&key)
-                .is_some_and(|held| held.iter().any(|(t, _)| t.seed == seed && t.tokens() == &rest[..=i]));
+            let held = self.tails.get(&key).is_some_and(|(t, _)| is_it(t, i + 1))
+                || self.collided.iter().any(|(k, t, _)| *k == key && is_it(t, i + 1));
             if held {
                 best = i + 1;
             }
@@ -455,6 +505,27 @@ mod tests {
         assert_eq!(parts(blocks.apply(&removed(&[7]))), (vec![expected[1]], vec![]));
         tails.apply(&CacheChange::Cleared);
         assert!(tails.is_empty());
+    }
+
+    #[test]
+    fn tails_whose_keys_collide_are_both_held() {
+        let tail = |tokens: &[u32]| Tail {
+            seed: 9,
+            run: tokens.into(),
+            from: 0,
+            len: tokens.len() as u32,
+        };
+        let (a, b) = (tail(&[1, 2]), tail(&[3, 4]));
+        let mut held = HeldTails::default();
+        // Both under one key, as if their 64-bit keys collided.
+        assert!(held.add(7, &a));
+        assert!(held.add(7, &b));
+        assert!(!held.add(7, &b), "counted twice");
+        assert!(held.drop(7, &a));
+        assert!(!held.drop(7, &b));
+        assert!(held.drop(7, &b));
+        assert!(!held.drop(7, &b), "no longer held");
+        assert!(held.tails.is_empty() && held.collided.is_empty());
     }
 
     #[test]
