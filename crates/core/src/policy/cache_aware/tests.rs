@@ -1,0 +1,292 @@
+//! `cache_aware`'s choices: where cold prompts and their continuations go, queued work, congestion, overrides,
+//! membership and capacity changes (the capacities learned from feedback are in `capacity_tests`).
+
+use super::*;
+use crate::endpoint::Endpoint;
+use crate::policy::testing::{empty_requests, ranks};
+use crate::policy::{dispatch, route};
+
+fn usage(prompt_tokens: u64, cached_tokens: u64) -> crate::usage::Usage {
+    crate::usage::Usage {
+        prompt_tokens,
+        cached_tokens,
+    }
+}
+
+fn policy() -> CacheAware {
+    CacheAware::new(CacheAwareConfig {
+        block_tokens: 16,
+        ..CacheAwareConfig::default()
+    })
+}
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| seed.wrapping_mul(1_000_003) ^ i.wrapping_mul(2_654_435_761))
+        .collect()
+}
+
+#[test]
+fn a_cold_prompt_goes_to_the_rendezvous_choice_and_its_continuation_follows() {
+    let snap = Snapshot::single_worker(8);
+    let p = policy();
+    let first = prompt(1, 1000);
+    let cold = route(&p, &snap, &RouteRequest::tokens(first.clone())).unwrap();
+    assert_eq!(cold.branch, Branch::Cold);
+    assert_eq!(cold.prefill_tokens, Some(1000));
+    // Another replica (a fresh index) places the same cold prompt on the same endpoint.
+    assert_eq!(
+        route(&policy(), &snap, &RouteRequest::tokens(first.clone())).unwrap(),
+        cold
+    );
+    let next = [first, prompt(2, 300)].concat();
+    let hit = route(&p, &snap, &RouteRequest::tokens(next)).unwrap();
+    // 992 of the first 1000 tokens are in whole blocks of 16.
+    assert_eq!(
+        (hit.rank, hit.branch, hit.prefill_tokens),
+        (cold.rank, Branch::Hit, Some(308))
+    );
+}
+
+/// 1 s of base per prefill, 1000 tokens/s, 10-token blocks, no congestion charge.
+fn slow_engine() -> CacheAwareConfig {
+    CacheAwareConfig {
+        block_tokens: 10,
+        prefill_tokens_per_s: 1000.0,
+        base_ms: 1000.0,
+        congestion_weight: 0.0,
+        ..CacheAwareConfig::default()
+    }
+}
+
+#[test]
+fn queued_prefill_work_makes_a_cold_endpoint_cheaper() {
+    // A 10-token tail behind one queued 5000-token prefill takes 2 + 5.01 s at home; a cold endpoint takes
+    // 1 + 5.01 s.
+    let snap = Snapshot::single_worker(2);
+    let p = CacheAware::new(slow_engine());
+    let shared = prompt(3, 5000);
+    let a = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+    let b = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+    assert_eq!((a.pick.branch, b.pick.branch), (Branch::Cold, Branch::Spill));
+    assert_ne!(a.pick.rank, b.pick.rank);
+    assert_eq!(snap.load(b.pick.rank).queued_prefill_tokens(), 5010);
+    // Once both have their first tokens, a third goes to a warm endpoint: the longer match at equal cost.
+    let (mut a, mut b) = (a, b);
+    a.first_token(0);
+    b.first_token(0);
+    let c = route(&p, &snap, &RouteRequest::tokens([shared, vec![3; 10]].concat())).unwrap();
+    assert_eq!((c.branch, c.prefill_tokens), (Branch::Hit, Some(10)));
+}
+
+#[test]
+fn a_request_arriving_late_in_a_prefill_waits_for_its_prefix() {
+    // As above: `a` takes 1 + 5.01 s to prefill on its endpoint. Arriving 0.5 s in, `b` would wait 5.51 s more
+    // plus its own 1.01 s there against 6.01 s cold elsewhere; arriving 3 s in, only 3.01 + 1.01 s.
+    let shared = prompt(3, 5000);
+    for (arrival_us, branch) in [(500_000, Branch::Spill), (3_000_000, Branch::Hit)] {
+        let snap = Snapshot::single_worker(2);
+        let p = CacheAware::new(slow_engine());
+        let a = dispatch(
+            &p,
+            &snap,
+            RouteRequest::tokens([shared.clone(), vec![1; 10]].concat()).at(0),
+        )
+        .unwrap();
+        let b = route(
+            &p,
+            &snap,
+            &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat()).at(arrival_us),
+        )
+        .unwrap();
+        assert_eq!(b.branch, branch, "arriving at {arrival_us} µs");
+        assert_eq!(b.rank == a.pick.rank, branch == Branch::Hit);
+    }
+}
+
+#[test]
+fn progress_counts_at_most_one_queued_requests_share() {
+    let p = CacheAware::new(slow_engine());
+    // Two queued prefills of 1 + 5 s each; an engine slower than predicted, 100 s into the first, still has
+    // the second ahead of a new request.
+    assert_eq!(p.predicted_ttft_us(2, 10_000, 0, 0), 13_000_000);
+    assert_eq!(p.predicted_ttft_us(2, 10_000, 2_000_000, 0), 11_000_000);
+    assert_eq!(p.predicted_ttft_us(2, 10_000, 100_000_000, 0), 7_000_000);
+    assert_eq!(p.predicted_ttft_us(0, 0, 100_000_000, 500), 1_500_000);
+}
+
+#[test]
+fn congestion_charges_a_cold_prefill_for_the_requests_it_delays() {
+    // Endpoint X queues a (5010 tokens, sharing 5000 with b) and a pinned 1000-token prompt; Y queues a pinned
+    // 10-token prompt. For b, X predicts 3 + 6.02 s and Y 2 + 5.02 s: plain TTFT sends b cold to Y. With the
+    // congestion charge Y also costs 1 queued × 5.01 s of b's own prefill (12.03 s) against 2 × 0.01 s at X.
+    let snap = Snapshot::single_worker(2);
+    let shared = prompt(3, 5000);
+    for (weight, branch) in [(1.0, Branch::Hit), (0.0, Branch::Spill)] {
+        let p = CacheAware::new(CacheAwareConfig {
+            congestion_weight: weight,
+            ..slow_engine()
+        });
+        let a = dispatch(&p, &snap, RouteRequest::tokens([shared.clone(), vec![1; 10]].concat())).unwrap();
+        let (x, y) = (a.pick.rank as i64, 1 - a.pick.rank as i64);
+        let c = dispatch(&p, &snap, RouteRequest::tokens(prompt(8, 1000)).with_override(x)).unwrap();
+        let z = dispatch(&p, &snap, RouteRequest::tokens(prompt(9, 10)).with_override(y)).unwrap();
+        let b = route(&p, &snap, &RouteRequest::tokens([shared.clone(), vec![2; 10]].concat())).unwrap();
+        let expected = if branch == Branch::Hit { x } else { y };
+        assert_eq!((b.rank as i64, b.branch), (expected, branch), "weight {weight}");
+        drop((a, c, z));
+    }
+}
+
+#[test]
+fn overrides_are_recorded_and_a_refuted_prediction_bounds_the_capacity() {
+    let snap = Snapshot::single_worker(4);
+    let p = policy();
+    let req = RouteRequest::tokens(prompt(4, 640));
+    let mut pinned = dispatch(&p, &snap, req.clone().with_override(2)).unwrap();
+    pinned.first_token(0);
+    assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+    let given = p.index_stats().capacity_blocks;
+    // A pick without a prediction teaches nothing.
+    pinned.usage(usage(640, 0));
+    drop(pinned);
+    assert_eq!(p.index_stats().capacity_blocks, given);
+    // Another prompt goes there after it.
+    let other = RouteRequest::tokens(prompt(5, 640));
+    drop(dispatch(&p, &snap, other.clone().with_override(2)).unwrap());
+    let mut hit = dispatch(&p, &snap, req.clone()).unwrap();
+    let pick = hit.pick;
+    assert_eq!((pick.rank, pick.branch, pick.prefill_tokens), (2, Branch::Hit, Some(1)));
+    // The engine held 100 tokens (6 blocks) of it: since its block 6 was recorded there, the endpoint got 6
+    // more of its blocks and the other prompt's 40, and it no longer held block 6: it keeps at most 46 blocks.
+    hit.usage(usage(640, 100));
+    drop(hit);
+    assert_eq!(p.index_stats().capacity_blocks, given / 4 * 3 + 46);
+    // It holds this prompt now that it has prefilled it, and what fits of the other (its first 6 blocks).
+    assert_eq!(p.predicted_cached(&snap, &req), vec![0, 0, 639, 0]);
+    assert_eq!(p.predicted_cached(&snap, &other), vec![0, 0, 96, 0]);
+    // A confirmed prediction lets the capacity grow back, by an eighth.
+    let mut again = dispatch(&p, &snap, req.clone()).unwrap();
+    assert_eq!(again.pick.rank, 2);
+    again.usage(usage(640, 639));
+    assert_eq!(p.index_stats().capacity_blocks, given / 4 * 3 + 51);
+}
+
+#[test]
+fn a_rerouted_request_is_forgotten_where_it_never_went() {
+    let snap = Snapshot::single_worker(4);
+    let p = policy();
+    let req = RouteRequest::tokens(prompt(5, 640));
+    // Endpoint 1 holds the first 10 blocks; the request goes there first.
+    drop(dispatch(&p, &snap, RouteRequest::tokens(prompt(5, 160)).with_override(1)).unwrap());
+    let ticket = dispatch(&p, &snap, req.clone()).unwrap();
+    assert_eq!(ticket.pick.rank, 1);
+    assert_eq!(p.predicted_cached(&snap, &req)[1], 639);
+    // Its connection was refused: it goes elsewhere, and endpoint 1 keeps only what it held before.
+    let ticket = ticket.reroute(&snap, &|r| r != 1, 0).unwrap();
+    assert_ne!(ticket.pick.rank, 1);
+    let cached = p.predicted_cached(&snap, &req);
+    assert_eq!(cached[1], 160);
+    assert_eq!(cached[ticket.pick.rank], 639);
+}
+
+#[test]
+fn each_endpoint_forgets_at_its_own_capacity_and_membership_changes_keep_ids() {
+    let endpoints = vec![
+        Endpoint::new(EndpointId::new(0, 0)).with_kv_capacity(160),
+        Endpoint::new(EndpointId::new(1, 0)),
+    ];
+    let snap = Snapshot::new(endpoints.clone());
+    let p = policy();
+    let (a, b) = (
+        RouteRequest::tokens(prompt(5, 160)),
+        RouteRequest::tokens(prompt(6, 160)),
+    );
+    for req in [&a, &b] {
+        route(&p, &snap, &req.clone().with_override(0)).unwrap();
+        route(&p, &snap, &req.clone().with_override(1)).unwrap();
+    }
+    // Endpoint 0 holds 10 blocks of 16: b pushed a out. Endpoint 1 holds both.
+    assert_eq!(p.predicted_cached(&snap, &a), vec![0, 159]);
+    assert_eq!(p.predicted_cached(&snap, &b), vec![159, 159]);
+    assert_eq!(p.index_stats().blocks, 30);
+    // Endpoint 0 leaves; endpoint 1, now at rank 0, keeps its blocks; endpoint 0 is forgotten.
+    let fewer = Snapshot::new(vec![endpoints[1].clone()]);
+    assert_eq!(p.predicted_cached(&fewer, &a), vec![159]);
+    assert_eq!(p.index_stats().blocks, 20);
+}
+
+#[test]
+fn a_stale_snapshot_never_forgets_a_newer_membership() {
+    let (e0, e1) = (
+        Endpoint::new(EndpointId::new(0, 0)),
+        Endpoint::new(EndpointId::new(0, 1)),
+    );
+    let old = Snapshot::new(vec![e0.clone()]);
+    let new = Snapshot::new(vec![e0, e1]);
+    let p = policy();
+    let req = RouteRequest::tokens(prompt(10, 320));
+    route(&p, &new, &req.clone().with_override(1)).unwrap();
+    // A request still routing with the old snapshot (no endpoint 1) goes to endpoint 0...
+    assert_eq!(route(&p, &old, &req).unwrap().rank, 0);
+    // ...and endpoint 1 keeps its blocks.
+    assert_eq!(p.predicted_cached(&new, &req), vec![319, 319]);
+    assert_eq!(p.index_stats().blocks, 40);
+}
+
+#[test]
+fn text_prompts_use_four_bytes_per_token_and_empty_prompts_go_round_robin() {
+    let snap = Snapshot::single_worker(3);
+    let p = policy();
+    let text = "x".repeat(700);
+    let req = RouteRequest::text(&text);
+    let first = route(&p, &snap, &req).unwrap();
+    let again = route(&p, &snap, &RouteRequest::text(&format!("{text}y"))).unwrap();
+    // 10 blocks of 64 bytes: 640 bytes = 160 tokens cached of 176.
+    assert_eq!((again.rank, again.prefill_tokens), (first.rank, Some(16)));
+    let (got, _held) = ranks(&p, &snap, &empty_requests(3));
+    assert_eq!(got, vec![0, 1, 2]);
+}
+
+proptest::proptest! {
+    #[test]
+    fn the_index_never_exceeds_the_endpoints_capacities(
+        capacities in proptest::collection::vec(0u64..400, 1..6),
+        requests in proptest::collection::vec((0u32..6, 0usize..300, proptest::option::of(0i64..6)), 1..60),
+    ) {
+        let snap = Snapshot::new(
+            capacities
+                .iter()
+                .enumerate()
+                .map(|(r, &c)| Endpoint::new(EndpointId::new(0, r as u32)).with_kv_capacity(c))
+                .collect(),
+        );
+        let p = policy();
+        let capacity_blocks: usize = capacities.iter().map(|&c| (c / 16) as usize).sum();
+        for (seed, len, pin) in requests {
+            let mut req = RouteRequest::tokens(prompt(seed, len));
+            req.rank_override = pin.filter(|&r| (r as usize) < capacities.len());
+            dispatch(&p, &snap, req.clone()).unwrap().usage(usage(len as u64, (seed as u64 * 37) % 200));
+            let stats = p.index_stats();
+            // (The index learns the membership from its first non-empty prompt; refuted predictions lower
+            // the capacities it uses.)
+            proptest::prop_assert!(stats.capacity_blocks <= capacity_blocks, "{:?}", stats);
+            proptest::prop_assert!(stats.blocks <= stats.capacity_blocks, "{:?}", stats);
+            for (r, &cached) in p.predicted_cached(&snap, &req).iter().enumerate() {
+                proptest::prop_assert!(cached <= capacities[r], "rank {} holds {} of capacity {}", r, cached, capacities[r]);
+            }
+        }
+    }
+}
+
+#[test]
+fn down_endpoints_are_never_chosen_even_holding_the_prefix() {
+    let snap = Snapshot::single_worker(3);
+    let p = policy();
+    let req = RouteRequest::tokens(prompt(7, 500));
+    let home = route(&p, &snap, &req).unwrap().rank;
+    let degraded = snap.with_health(|i, _| i != home);
+    let pick = route(&p, &degraded, &req).unwrap();
+    assert_ne!(pick.rank, home);
+    assert_eq!(pick.branch, Branch::Cold);
+}
