@@ -91,8 +91,9 @@ pub struct CacheAwareConfig {
     pub prefill_tokens_per_s: f64,
     /// Fixed time per prefill, milliseconds.
     pub base_ms: f64,
-    /// How much the endpoints' prefills share compute (expert parallelism): a prefill is predicted to take
-    /// `1 + prefill_contention · k` times as long while k other endpoints prefill; 0 (independent ranks) to 1.
+    /// How much the endpoints' prefills share compute (expert parallelism), from 0 (independent ranks) to 1: a
+    /// prefill is predicted longer by this share of the time it overlaps the prefill work queued at each other
+    /// endpoint (while k others prefill, it advances at about `1 / (1 + prefill_contention · k)` of its speed).
     pub prefill_contention: f64,
     /// Learn from the engines' reported cached tokens: a refuted prediction bounds how much of the prompts the
     /// index sees the endpoint really keeps, and the index forgets at that capacity when it is below the given
