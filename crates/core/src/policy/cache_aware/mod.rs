@@ -35,7 +35,9 @@
 //!    placements of an idle fleet with room.
 //!    Cache affinity and load balance come from one cost, with no hit or miss thresholds. The choice is greedy,
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
-//!    (`docs/measurements.md`, "Agents that arrive apart").
+//!    (`docs/measurements.md`, "Agents that arrive apart"), unless `session_turns` is set: then the cost also
+//!    counts the delay the conversation's remaining turns and the endpoint's other conversations would cause each
+//!    other there ([`conversations`]).
 //! 4. Record the prompt's blocks for the chosen endpoint, under the same lock as the look-up (a rank override:
 //!    [`Policy::pinned`]); each endpoint forgets its least recently used blocks beyond its KV capacity
 //!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`). A request
@@ -76,6 +78,7 @@ use crate::policy::{Branch, Candidates, Matched, Pick, Policy, Prepared, RoundRo
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 mod contention;
+mod conversations;
 mod events;
 mod learned;
 mod recent;
@@ -114,6 +117,10 @@ pub struct CacheAwareConfig {
     pub recent_half_life_s: f64,
     /// See `recent_half_life_s`.
     pub recent_epsilon: f64,
+    /// The requests a conversation is expected to make in all: a placement is charged the delay its remaining
+    /// turns and those of the other conversations at the endpoint would cause each other there
+    /// ([`conversations`]). 0 leaves the forecast out (each request is placed for its own time to first token).
+    pub session_turns: u32,
     /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
     /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
     pub event_grace_ms: u64,
@@ -134,6 +141,7 @@ impl Default for CacheAwareConfig {
             eviction_weight: 1.0,
             recent_half_life_s: 60.0,
             recent_epsilon: 0.1,
+            session_turns: 0,
             event_grace_ms: 10_000,
         }
     }
@@ -167,6 +175,8 @@ struct State {
     given: Vec<usize>,
     /// Requests sent to each slot recently.
     recent: recent::Recent,
+    /// The conversations followed, when `session_turns` is set.
+    conversations: conversations::Conversations,
 }
 
 impl State {
@@ -286,6 +296,7 @@ impl CacheAware {
                     state.index.clear_slot(slot);
                     state.learned.reset(slot);
                     state.recent.reset(slot);
+                    state.conversations.reset(slot);
                 }
             }
             state.newest = snap.generation();
@@ -384,13 +395,43 @@ impl Policy for CacheAware {
             true => contention::Overlap::new(c.iter().map(queued_work).collect()),
             false => contention::Overlap::default(),
         };
+        let uncached_at =
+            |r: usize| req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks_at(r));
+        // The conversation this request continues, its remaining turns, and one warm turn's prefill.
+        let sessions = self.config.session_turns;
+        let continued = (sessions > 0).then(|| state.conversations.continued(hashes)).flatten();
+        let own = continued.map(|(end, _)| end);
+        let remaining = match sessions {
+            0 => 0.0,
+            _ => {
+                let made = continued.map_or(0, |(_, c)| c.turns) + 1;
+                (state.conversations.expected_turns(sessions) - f64::from(made)).max(0.0)
+            }
+        };
+        let warm_turn = match remaining > 0.0 {
+            false => 0,
+            true => self.prefill_us(1, c.iter().map(uncached_at).min().unwrap_or(0)),
+        };
+        // The other conversations' summed pace at each candidate; when prefills contend, a share of those
+        // elsewhere too.
+        let mut loads: Vec<f64> = match remaining > 0.0 {
+            false => Vec::new(),
+            true => c
+                .iter()
+                .map(|r| state.conversations.load(state.slot_of_rank[r], own, req.now_us))
+                .collect(),
+        };
+        if contention > 0.0 {
+            let total: f64 = loads.iter().sum();
+            loads.iter_mut().for_each(|l| *l += contention * (total - *l));
+        }
         let (rank, blocks, uncached) = c
             .iter()
-            .map(|r| {
+            .enumerate()
+            .map(|(i, r)| {
                 let blocks = blocks_at(r);
                 let load = snap.load(r);
-                let uncached =
-                    req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks);
+                let uncached = uncached_at(r);
                 let mut ttft = self.predicted_ttft_us(
                     load.queued_prefill_requests(),
                     load.queued_prefill_tokens(),
@@ -401,11 +442,12 @@ impl Policy for CacheAware {
                     // Work queued elsewhere slows this endpoint's queue and prefill while they overlap.
                     ttft += (contention * overlap.with_others(ttft, queued_work(r)) as f64) as u64;
                 }
-                let own = self.prefill_us(0, uncached);
+                let own_prefill = self.prefill_us(0, uncached);
                 let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
                 let evicted = evicted_at(r, blocks);
                 let eviction = self.config.eviction_weight * self.prefill_us(0, evicted as u64 * block) as f64;
-                let cost = ttft + (congestion * own as f64) as u64 + eviction as u64;
+                let sharing = loads.get(i).map_or(0.0, |load| remaining * load * warm_turn as f64);
+                let cost = ttft + (congestion * own_prefill as f64) as u64 + eviction as u64 + sharing as u64;
                 // A session's cold requests go where its earlier ones did (the rendezvous below), not by count.
                 let recent = match req.session {
                     Some(_) => 0.0,
@@ -427,6 +469,13 @@ impl Policy for CacheAware {
             .ok_or(RouteError::NoHealthyEndpoint)?;
         let slot = state.slot_of_rank[rank];
         state.recent.record(slot, req.now_us, half_life_us);
+        if sessions > 0 {
+            let service = self.prefill_us(1, uncached);
+            let idle = half_life_us as u64;
+            state
+                .conversations
+                .record(slot, hashes, continued, service, req.now_us, idle);
+        }
         // How long ago the endpoint got the deepest block it holds, before this request makes it the newest.
         let matched = (blocks > 0)
             .then(|| state.index.age(slot, hashes[blocks - 1]))

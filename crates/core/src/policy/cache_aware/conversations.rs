@@ -1,0 +1,335 @@
+//! `cache_aware`'s forecast of conversations (`session_turns`): what a placement costs the turns that follow it.
+//!
+//! The choice is otherwise greedy: a conversation that starts while another one holds its prefix on a busy
+//! endpoint waits there, since that is quicker than a cold prefill elsewhere, and from then on the two
+//! conversations' turns queue behind each other on one endpoint for as long as they last (agents that start a few
+//! seconds apart all gather on the endpoint that first warmed their system prompt). One cold prefill elsewhere
+//! would have spared every later turn that wait.
+//!
+//! So the router follows conversations: a request whose prompt contains the last whole block of an earlier
+//! request's prompt continues that request's conversation (its next turn: the earlier prompt, the answer, a new
+//! user turn). A conversation's pace is the share of its endpoint's prefill time it takes: its latest prefill time
+//! over the time since its previous request. One that has made a single request has no pace yet: it is counted at
+//! the fleet's mean pace (as keeping its endpoint busy while none is known), but never above its prefill time over
+//! the time since it was sent, since it has not come back in that time; one whose bound falls below 1% no longer
+//! counts (a single question is not a conversation). A conversation idle for the idle time (`recent_half_life_s`)
+//! is over.
+//!
+//! Placing a request at an endpoint whose other conversations have paces summing to `load` commits its
+//! conversation's remaining turns there (`session_turns` less the turns it has made): each of them, and the other
+//! conversations' turns, delay each other by about `load` times one warm prefill per turn (a turn arrives while
+//! the others prefill that share of the time, and waits half a prefill on average; the others wait as much on it).
+//! That forecast is added to the endpoint's cost. An endpoint where no other conversation runs costs nothing more,
+//! so a new conversation pays a cold prefill on an idle endpoint when its remaining turns would wait longer than
+//! that in all.
+//!
+//! How long a conversation lasts is learned: the requests that continued one over the conversations started, with
+//! `session_turns` counted as one conversation of that many requests until conversations are seen.
+//!
+//! Memory: one entry per conversation active within the idle time, at most [`MAX_CONVERSATIONS`] (the oldest is
+//! forgotten first). Cost per request: a look-up per prompt block to find the conversation it continues, and per
+//! endpoint a pass over its conversations that have made one request (those of the last hundred prefill times).
+
+use std::collections::{HashMap, VecDeque};
+
+/// The most conversations followed at once.
+pub(super) const MAX_CONVERSATIONS: usize = 1 << 16;
+
+/// The conversations started past which the counts for the mean length halve.
+const COUNTS_HALVED_AT: f64 = 10_000.0;
+
+/// A conversation without a pace stops counting when its bound falls below this.
+const MIN_PACE: f64 = 0.01;
+
+/// One conversation, keyed by the last whole block of its latest prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct Conversation {
+    /// The slot its latest request went to.
+    pub slot: usize,
+    /// When its latest request was routed, microseconds.
+    last_us: u64,
+    /// Requests so far.
+    pub turns: u32,
+    /// The share of its endpoint's prefill time it takes; `None` until it has sent two requests.
+    pace: Option<f64>,
+    /// Its latest prefill time, microseconds.
+    service_us: u64,
+}
+
+/// Per slot: the sum of its conversations' known paces, and those that have none yet (by end block).
+#[derive(Debug, Default, Clone)]
+struct SlotPaces {
+    known: f64,
+    fresh: Vec<(u64, Conversation)>,
+}
+
+#[derive(Debug, Default)]
+pub(super) struct Conversations {
+    by_end: HashMap<u64, Conversation>,
+    /// `(idle from, end)` in routing order, to forget conversations that went idle.
+    idle: VecDeque<(u64, u64)>,
+    slots: Vec<SlotPaces>,
+    /// Sum and count of the known paces of all conversations.
+    known: (f64, u32),
+    /// Conversations started and requests that continued one, for the mean length of a conversation.
+    started: f64,
+    continuations: f64,
+}
+
+impl Conversations {
+    /// The conversation `hashes` (a prompt's chained block hashes) continues, with the block that keys it: the
+    /// deepest block of the prompt that ended an earlier prompt.
+    pub(super) fn continued(&self, hashes: &[u64]) -> Option<(u64, Conversation)> {
+        hashes.iter().rev().find_map(|h| self.by_end.get(h).map(|c| (*h, *c)))
+    }
+
+    /// The requests a conversation makes in all, from those seen: the conversations started and the requests
+    /// that continued one, with `prior` counted as one more conversation of that many requests (so it holds
+    /// until conversations are seen, and fades as they are).
+    pub(super) fn expected_turns(&self, prior: u32) -> f64 {
+        (f64::from(prior) + self.started + self.continuations) / (1.0 + self.started)
+    }
+
+    /// The summed pace at `now_us` of the conversations at `slot` other than `own` (keyed by its end block).
+    pub(super) fn load(&self, slot: usize, own: Option<u64>, now_us: u64) -> f64 {
+        let Some(paces) = self.slots.get(slot) else {
+            return 0.0;
+        };
+        let mut load = paces.known;
+        if let Some(c) = own.and_then(|end| self.by_end.get(&end)).filter(|c| c.slot == slot) {
+            load -= c.pace.unwrap_or(0.0);
+        }
+        let mean = self.mean_pace();
+        for (end, c) in &paces.fresh {
+            if Some(*end) != own {
+                load += fresh_pace(c, mean, now_us);
+            }
+        }
+        load.max(0.0)
+    }
+
+    /// The pace a conversation without one is counted at, at most: the mean of the known, or a busy endpoint's.
+    fn mean_pace(&self) -> f64 {
+        match self.known {
+            (sum, count) if count > 0 => sum / f64::from(count),
+            _ => 1.0,
+        }
+    }
+
+    /// Records a request of prompt `hashes` routed to `slot` at `now_us`, prefilling there for `service_us`:
+    /// the conversation `continued` (from [`Self::continued`]) goes on there, or a new one starts. Conversations
+    /// idle for `idle_us` are forgotten.
+    pub(super) fn record(
+        &mut self,
+        slot: usize,
+        hashes: &[u64],
+        continued: Option<(u64, Conversation)>,
+        service_us: u64,
+        now_us: u64,
+        idle_us: u64,
+    ) {
+        self.forget_idle(now_us, idle_us);
+        let Some(&end) = hashes.last() else { return };
+        let (turns, pace) = match continued {
+            // The same prompt again (a retry, a regenerated answer): no new turn.
+            Some((key, earlier)) if key == end && self.by_end.get(&key) == Some(&earlier) => {
+                self.remove(key);
+                (earlier.turns, earlier.pace)
+            }
+            Some((key, earlier)) if self.by_end.get(&key) == Some(&earlier) => {
+                self.remove(key);
+                // The next gap, if the client waits for each answer: this one, with the earlier prefill's time
+                // (cold, for a first request) replaced by this one's.
+                let gap = (now_us
+                    .saturating_sub(earlier.last_us)
+                    .saturating_sub(earlier.service_us)
+                    + service_us)
+                    .max(1);
+                self.continuations += 1.0;
+                (earlier.turns + 1, Some((service_us as f64 / gap as f64).min(1.0)))
+            }
+            _ => {
+                self.started += 1.0;
+                (1, None)
+            }
+        };
+        // The mean follows the recent conversations: halve the counts now and then.
+        if self.started > COUNTS_HALVED_AT {
+            self.started /= 2.0;
+            self.continuations /= 2.0;
+        }
+        // Another conversation that ended on the same prompt is replaced.
+        self.remove(end);
+        while self.by_end.len() >= MAX_CONVERSATIONS {
+            let Some((_, oldest)) = self.idle.pop_front() else {
+                break;
+            };
+            self.remove(oldest);
+        }
+        let conversation = Conversation {
+            slot,
+            last_us: now_us,
+            turns,
+            pace,
+            service_us,
+        };
+        self.add(end, conversation);
+        self.idle.push_back((now_us, end));
+    }
+
+    /// Forgets the conversations at `slot` (its endpoint left).
+    pub(super) fn reset(&mut self, slot: usize) {
+        let ends: Vec<u64> = self
+            .by_end
+            .iter()
+            .filter(|(_, c)| c.slot == slot)
+            .map(|(end, _)| *end)
+            .collect();
+        for end in ends {
+            self.remove(end);
+        }
+    }
+
+    /// How many conversations are followed.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.by_end.len()
+    }
+
+    fn forget_idle(&mut self, now_us: u64, idle_us: u64) {
+        while let Some(&(since, end)) = self.idle.front() {
+            if since.saturating_add(idle_us) > now_us {
+                break;
+            }
+            self.idle.pop_front();
+            // A conversation that went on since is queued again under its newer time.
+            if self.by_end.get(&end).is_some_and(|c| c.last_us == since) {
+                self.remove(end);
+            }
+        }
+        // Entries of conversations that went on leave the queue as they reach its front.
+        if self.idle.len() > 2 * MAX_CONVERSATIONS {
+            let by_end = &self.by_end;
+            self.idle
+                .retain(|(since, end)| by_end.get(end).is_some_and(|c| c.last_us == *since));
+        }
+    }
+
+    fn add(&mut self, end: u64, c: Conversation) {
+        if self.slots.len() <= c.slot {
+            self.slots.resize(c.slot + 1, SlotPaces::default());
+        }
+        let mean = self.mean_pace();
+        let paces = &mut self.slots[c.slot];
+        // Conversations that made one request long ago no longer count.
+        paces.fresh.retain(|(_, f)| fresh_pace(f, mean, c.last_us) >= MIN_PACE);
+        match c.pace {
+            Some(p) => {
+                paces.known += p;
+                self.known.0 += p;
+                self.known.1 += 1;
+            }
+            None => paces.fresh.push((end, c)),
+        }
+        self.by_end.insert(end, c);
+    }
+
+    fn remove(&mut self, end: u64) {
+        let Some(c) = self.by_end.remove(&end) else { return };
+        let paces = &mut self.slots[c.slot];
+        match c.pace {
+            Some(p) => {
+                paces.known = (paces.known - p).max(0.0);
+                self.known.0 = (self.known.0 - p).max(0.0);
+                self.known.1 -= 1;
+            }
+            None => paces.fresh.retain(|(e, _)| *e != end),
+        }
+    }
+}
+
+/// The pace counted at `now_us` for a conversation that has made one request: at most `mean`, and at most its
+/// prefill time over the time since (it has not come back).
+fn fresh_pace(c: &Conversation, mean: f64, now_us: u64) -> f64 {
+    let since = now_us.saturating_sub(c.last_us).max(1);
+    mean.min(c.service_us as f64 / since as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const IDLE: u64 = 60_000_000;
+    const S: u64 = 1_000_000;
+
+    #[test]
+    fn a_prompt_that_contains_an_earlier_prompts_last_block_continues_it() {
+        let mut c = Conversations::default();
+        c.record(2, &[1, 2, 3], None, S, 0, IDLE);
+        let next = [1, 2, 3, 4, 5];
+        let (key, earlier) = c.continued(&next).expect("continues");
+        assert_eq!((key, earlier.slot, earlier.turns), (3, 2, 1));
+        // Another prompt on the same prefix does not (its deepest shared block ended no prompt).
+        assert_eq!(c.continued(&[1, 2, 9]), None);
+        c.record(2, &next, Some((key, earlier)), S, 4 * S, IDLE);
+        assert_eq!(c.len(), 1);
+        let (end, now) = c.continued(&[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!((end, now.turns), (5, 2));
+        // 1 s of prefill every 4 s.
+        assert_eq!(c.load(2, None, 5 * S), 0.25);
+        assert_eq!(c.load(2, Some(5), 5 * S), 0.0, "its own pace is left out");
+        // The same prompt again is no new turn.
+        c.record(2, &next, Some((end, now)), S, 5 * S, IDLE);
+        assert_eq!(c.continued(&next).unwrap().1.turns, 2);
+        assert_eq!(
+            c.expected_turns(1),
+            1.5,
+            "one start, one continuation, and the prior's one request"
+        );
+        assert_eq!(c.expected_turns(31), 16.5);
+    }
+
+    #[test]
+    fn a_conversation_without_a_pace_counts_at_most_the_mean_and_fades_while_it_does_not_come_back() {
+        let mut c = Conversations::default();
+        c.record(0, &[10], None, 2 * S, 0, IDLE);
+        assert_eq!(c.load(0, None, S), 1.0, "no pace known yet: busy");
+        assert_eq!(
+            c.load(0, None, 4 * S),
+            0.5,
+            "not back after 4 s: at most 2 s of prefill in 4"
+        );
+        assert_eq!(c.load(1, None, S), 0.0);
+        let first = c.continued(&[10, 11]);
+        c.record(0, &[10, 11], first, S, 5 * S, IDLE);
+        c.record(1, &[20], None, S, 5 * S, IDLE);
+        // 1 s of prefill in a 4 s cycle: 5 s between the requests, less the first one's 2 s, plus this one's 1 s.
+        assert_eq!(c.load(0, None, 6 * S), 0.25);
+        assert_eq!(c.load(1, None, 6 * S), 0.25, "at most the mean known pace");
+        assert_eq!(c.load(1, None, 15 * S), 0.1);
+        // Below 1% it is dropped from the slot's count when the slot next takes a conversation.
+        c.record(1, &[30], None, S, 200 * S, IDLE);
+        assert_eq!(c.load(1, Some(30), 200 * S), 0.0);
+    }
+
+    #[test]
+    fn idle_conversations_are_forgotten_and_the_count_is_bounded() {
+        let mut c = Conversations::default();
+        c.record(0, &[1], None, S, 0, IDLE);
+        let went_on = c.continued(&[1, 2]);
+        c.record(0, &[1, 2], went_on, S, IDLE / 2, IDLE);
+        c.record(1, &[7], None, S, IDLE / 2, IDLE);
+        // At IDLE the first record's queue entry is stale (the conversation went on), so nothing is forgotten.
+        c.record(1, &[8], None, S, IDLE, IDLE);
+        assert_eq!(c.len(), 3);
+        c.record(1, &[9], None, S, IDLE / 2 + IDLE, IDLE);
+        assert_eq!(c.len(), 2, "the two idle since IDLE / 2 are over");
+        assert_eq!(c.load(0, None, IDLE / 2 + IDLE), 0.0);
+        for i in 0..(MAX_CONVERSATIONS as u64 + 10) {
+            c.record(0, &[1_000 + i], None, S, 2 * IDLE, IDLE);
+        }
+        assert_eq!(c.len(), MAX_CONVERSATIONS);
+        c.reset(0);
+        assert_eq!((c.len(), c.load(0, None, 2 * IDLE)), (0, 0.0));
+    }
+}
