@@ -72,6 +72,9 @@ impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
 /// The largest `cache_aware` block: a million tokens (any real context fits one block long before that).
 pub const MAX_BLOCK_TOKENS: usize = 1 << 20;
 
+/// The most requests `cache_aware`'s `session_turns` may expect of a conversation.
+pub const MAX_SESSION_TURNS: u32 = 1_000_000;
+
 /// A policy option whose value makes no sense; the message names the policy and the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{policy}: {field} {message}")]
@@ -234,6 +237,12 @@ impl PolicyConfig {
                         format!("must be from 0 to 1, got {}", c.prefill_contention),
                     );
                 }
+                if c.session_turns > MAX_SESSION_TURNS {
+                    return fail(
+                        "session_turns",
+                        format!("must be at most {MAX_SESSION_TURNS}, got {}", c.session_turns),
+                    );
+                }
                 if !(c.recent_half_life_s.is_finite() && c.recent_half_life_s > 0.0) {
                     return fail(
                         "recent_half_life_s",
@@ -317,6 +326,7 @@ mod tests {
             ("cache_aware:prefill_tokens_per_s=-1", "prefill_tokens_per_s"),
             ("cache_aware:base_ms=-0.5", "base_ms"),
             ("cache_aware:prefill_contention=1.5", "prefill_contention"),
+            ("cache_aware:session_turns=1000001", "session_turns"),
             ("cache_aware:congestion_weight=-1", "congestion_weight"),
             ("cache_aware:eviction_weight=-1", "eviction_weight"),
             ("cache_aware:recent_half_life_s=0", "recent_half_life_s"),

@@ -6,8 +6,8 @@ use dprouter_core::PolicyConfig;
 use dprouter_sim::workload::agent::{AgentConfig, AgentWorkload};
 use dprouter_sim::{simulate, CostModel, SimConfig, Summary};
 
-/// Steady p99 TTFT (ms) and requests/s of `spec` on sixteen agents on one prefix, started 8 s apart.
-fn sixteen_agents_8s_apart(spec: &str) -> (f64, f64) {
+/// Steady p99 TTFT (ms) and requests/s of `spec` on `agents` agents on one prefix, started `apart_s` apart.
+fn agents_apart(agents: u64, apart_s: f64, spec: &str) -> (f64, f64) {
     let config = SimConfig {
         dp_size: 16,
         cost: CostModel::preset("seed-moe").unwrap(),
@@ -18,8 +18,8 @@ fn sixteen_agents_8s_apart(spec: &str) -> (f64, f64) {
     };
     let mut workload = AgentWorkload::new(
         AgentConfig {
-            agents: 16,
-            stagger_s: 8.0,
+            agents,
+            stagger_s: apart_s,
             ..AgentConfig::default()
         },
         0,
@@ -38,15 +38,23 @@ fn sixteen_agents_8s_apart(spec: &str) -> (f64, f64) {
 
 #[test]
 fn forecasting_conversations_spreads_agents_that_start_apart() {
-    let (gathered_p99, gathered_rps) = sixteen_agents_8s_apart("prefix_match");
-    let (greedy_p99, _) = sixteen_agents_8s_apart("cache_aware:session_turns=0");
-    let (forecast_p99, forecast_rps) = sixteen_agents_8s_apart("cache_aware:session_turns=30");
-    // Greedy, each newcomer waits for the rank that holds the prefix; forecasting, it pays one cold prefill
-    // elsewhere and its later turns do not queue behind the others'.
-    assert!(
-        forecast_p99 <= 0.5 * gathered_p99,
-        "{forecast_p99} vs prefix_match {gathered_p99}"
-    );
-    assert!(forecast_p99 < 0.8 * greedy_p99, "{forecast_p99} vs greedy {greedy_p99}");
-    assert!(forecast_rps >= gathered_rps, "{forecast_rps} vs {gathered_rps} req/s");
+    for agents in [4, 16] {
+        let (gathered_p99, gathered_rps) = agents_apart(agents, 8.0, "prefix_match");
+        let (greedy_p99, _) = agents_apart(agents, 8.0, "cache_aware:session_turns=0");
+        let (forecast_p99, forecast_rps) = agents_apart(agents, 8.0, "cache_aware:session_turns=30");
+        // Greedy, each newcomer waits for the rank that holds the prefix; forecasting, it pays one cold prefill
+        // elsewhere and its later turns do not queue behind the others'.
+        assert!(
+            forecast_p99 <= 0.5 * gathered_p99,
+            "{agents}: {forecast_p99} vs prefix_match {gathered_p99}"
+        );
+        assert!(
+            forecast_p99 < 0.8 * greedy_p99,
+            "{agents}: {forecast_p99} vs greedy {greedy_p99}"
+        );
+        assert!(
+            forecast_rps >= gathered_rps,
+            "{agents}: {forecast_rps} vs {gathered_rps} req/s"
+        );
+    }
 }

@@ -9,22 +9,26 @@
 //! So the router follows conversations: a request whose prompt contains the last whole block of an earlier
 //! request's prompt continues that request's conversation (its next turn: the earlier prompt, the answer, a new
 //! user turn). A conversation's pace is the share of its endpoint's prefill time it takes: its latest prefill time
-//! over the time since its previous request. One that has made a single request has no pace yet: it is counted at
-//! the fleet's mean pace (as keeping its endpoint busy while none is known), but never above its prefill time over
-//! the time since it was sent, since it has not come back in that time; one whose bound falls below 1% no longer
-//! counts (a single question is not a conversation). A conversation idle for the idle time (`recent_half_life_s`)
-//! is over.
+//! over its cycle (the time since its previous request, with that request's prefill time replaced by this one's,
+//! as a client that waits for each answer would send the next turn). One that has made a single request has no
+//! pace yet: it is counted at the fleet's mean pace (as keeping its endpoint busy while none is known), but never
+//! above its prefill time over the time since it was sent, since it has not come back in that time. One that has
+//! not come back in a hundred times its prefill time is over (a single question, not a conversation), as is any
+//! conversation idle for the idle time (`recent_half_life_s`).
 //!
 //! Placing a request at an endpoint whose other conversations have paces summing to `load` commits its
-//! conversation's remaining turns there (`session_turns` less the turns it has made): each of them, and the other
-//! conversations' turns, delay each other by about `load` times one warm prefill per turn (a turn arrives while
-//! the others prefill that share of the time, and waits half a prefill on average; the others wait as much on it).
-//! That forecast is added to the endpoint's cost. An endpoint where no other conversation runs costs nothing more,
-//! so a new conversation pays a cold prefill on an idle endpoint when its remaining turns would wait longer than
-//! that in all.
+//! conversation's remaining turns there: each of them, and the other conversations' turns, delay each other by
+//! about `load` times one warm prefill per turn (a turn arrives while the others prefill that share of the time,
+//! and waits half a prefill on average; the others wait as much on it). That forecast is added to the endpoint's
+//! cost. An endpoint where no other conversation runs costs nothing more, so a new conversation pays a cold
+//! prefill on an idle endpoint when its remaining turns would wait longer than that in all.
 //!
-//! How long a conversation lasts is learned: the requests that continued one over the conversations started, with
-//! `session_turns` counted as one conversation of that many requests until conversations are seen.
+//! The remaining turns come from the chance that a conversation goes on, learned from the requests that continued
+//! one against the conversations that ended, with `session_turns` counted as one conversation of that many
+//! requests (so it holds until conversations are seen to end, and fades as they are); never more than
+//! `session_turns` in all. Before any conversation has ended that prior decides alone: on a fleet of single
+//! questions it spreads the first seconds' questions by load instead of by cache (measured in
+//! `docs/measurements.md`), which is why it is off by default.
 //!
 //! Memory: one entry per conversation active within the idle time, at most [`MAX_CONVERSATIONS`] (the oldest is
 //! forgotten first). Cost per request: a look-up per prompt block to find the conversation it continues, and per
@@ -35,8 +39,8 @@ use std::collections::{HashMap, VecDeque};
 /// The most conversations followed at once.
 pub(super) const MAX_CONVERSATIONS: usize = 1 << 16;
 
-/// The conversations started past which the counts for the mean length halve.
-const COUNTS_HALVED_AT: f64 = 10_000.0;
+/// The counts of continuations and ends halve past this.
+const COUNTS_HALVED_AT: f64 = 20_000.0;
 
 /// A conversation without a pace stops counting when its bound falls below this.
 const MIN_PACE: f64 = 0.01;
@@ -71,9 +75,10 @@ pub(super) struct Conversations {
     slots: Vec<SlotPaces>,
     /// Sum and count of the known paces of all conversations.
     known: (f64, u32),
-    /// Conversations started and requests that continued one, for the mean length of a conversation.
-    started: f64,
+    /// Requests that continued a conversation, and conversations that ended (went idle), for how likely a
+    /// conversation is to go on.
     continuations: f64,
+    ends: f64,
 }
 
 impl Conversations {
@@ -83,11 +88,14 @@ impl Conversations {
         hashes.iter().rev().find_map(|h| self.by_end.get(h).map(|c| (*h, *c)))
     }
 
-    /// The requests a conversation makes in all, from those seen: the conversations started and the requests
-    /// that continued one, with `prior` counted as one more conversation of that many requests (so it holds
-    /// until conversations are seen, and fades as they are).
-    pub(super) fn expected_turns(&self, prior: u32) -> f64 {
-        (f64::from(prior) + self.started + self.continuations) / (1.0 + self.started)
+    /// The requests a conversation that has made `made` is expected to make after this one: from the chance
+    /// that a conversation goes on (the continuations seen against the conversations that ended, with `prior`
+    /// counted as one ended conversation of that many requests), and never past `prior` requests in all.
+    pub(super) fn remaining_turns(&self, prior: u32, made: u32) -> f64 {
+        let prior_continuations = f64::from(prior.saturating_sub(1));
+        let went_on = prior_continuations + self.continuations;
+        let chance = went_on / (went_on + 1.0 + self.ends);
+        (chance / (1.0 - chance)).min(f64::from(prior.saturating_sub(made)))
     }
 
     /// The summed pace at `now_us` of the conversations at `slot` other than `own` (keyed by its end block).
@@ -148,15 +156,12 @@ impl Conversations {
                 self.continuations += 1.0;
                 (earlier.turns + 1, Some((service_us as f64 / gap as f64).min(1.0)))
             }
-            _ => {
-                self.started += 1.0;
-                (1, None)
-            }
+            _ => (1, None),
         };
-        // The mean follows the recent conversations: halve the counts now and then.
-        if self.started > COUNTS_HALVED_AT {
-            self.started /= 2.0;
+        // The chance follows the recent conversations: halve the counts now and then.
+        if self.continuations + self.ends > COUNTS_HALVED_AT {
             self.continuations /= 2.0;
+            self.ends /= 2.0;
         }
         // Another conversation that ended on the same prompt is replaced.
         self.remove(end);
@@ -164,7 +169,7 @@ impl Conversations {
             let Some((_, oldest)) = self.idle.pop_front() else {
                 break;
             };
-            self.remove(oldest);
+            self.end(oldest);
         }
         let conversation = Conversation {
             slot,
@@ -204,7 +209,7 @@ impl Conversations {
             self.idle.pop_front();
             // A conversation that went on since is queued again under its newer time.
             if self.by_end.get(&end).is_some_and(|c| c.last_us == since) {
-                self.remove(end);
+                self.end(end);
             }
         }
         // Entries of conversations that went on leave the queue as they reach its front.
@@ -219,10 +224,22 @@ impl Conversations {
         if self.slots.len() <= c.slot {
             self.slots.resize(c.slot + 1, SlotPaces::default());
         }
-        let mean = self.mean_pace();
         let paces = &mut self.slots[c.slot];
-        // Conversations that made one request long ago no longer count.
-        paces.fresh.retain(|(_, f)| fresh_pace(f, mean, c.last_us) >= MIN_PACE);
+        // A conversation that made one request and has not come back in a hundred times its prefill time is over
+        // (a single question, not a conversation).
+        let mut over = Vec::new();
+        paces.fresh.retain(|(end, f)| {
+            let going = fresh_pace(f, 1.0, c.last_us) >= MIN_PACE;
+            if !going {
+                over.push(*end);
+            }
+            going
+        });
+        for end in over {
+            self.by_end.remove(&end);
+            self.ends += 1.0;
+        }
+        let paces = &mut self.slots[c.slot];
         match c.pace {
             Some(p) => {
                 paces.known += p;
@@ -232,6 +249,14 @@ impl Conversations {
             None => paces.fresh.push((end, c)),
         }
         self.by_end.insert(end, c);
+    }
+
+    /// `end`'s conversation is over.
+    fn end(&mut self, end: u64) {
+        if self.by_end.contains_key(&end) {
+            self.ends += 1.0;
+            self.remove(end);
+        }
     }
 
     fn remove(&mut self, end: u64) {
@@ -281,12 +306,32 @@ mod tests {
         // The same prompt again is no new turn.
         c.record(2, &next, Some((end, now)), S, 5 * S, IDLE);
         assert_eq!(c.continued(&next).unwrap().1.turns, 2);
+        // No conversation has ended: the prior's 30 continuations and one end, and the one continuation seen.
+        assert_eq!(c.remaining_turns(31, 2), 29.0, "never past the prior");
+        assert_eq!(c.remaining_turns(3, 1), 2.0);
+        assert_eq!(c.remaining_turns(1, 1), 0.0);
+    }
+
+    #[test]
+    fn conversations_that_end_lower_the_chance_that_one_goes_on() {
+        let mut c = Conversations::default();
+        // Ten single questions 1 s apart, on one slot, each 10 ms of prefill: each is over once the slot takes a
+        // conversation more than a second (a hundred prefill times) later.
+        for i in 0..10u64 {
+            c.record(0, &[100 + i], None, S / 100, i * S + S / 2, IDLE);
+        }
         assert_eq!(
-            c.expected_turns(1),
-            1.5,
-            "one start, one continuation, and the prior's one request"
+            c.len(),
+            2,
+            "the eight asked more than a second before the last are over"
         );
-        assert_eq!(c.expected_turns(31), 16.5);
+        // The prior (29 continuations, one end) and eight ends: a 29-in-38 chance, 3.2 more turns.
+        let remaining = c.remaining_turns(30, 1);
+        assert!((remaining - 29.0 / 9.0).abs() < 1e-9, "{remaining}");
+        // Idle conversations end too.
+        c.record(1, &[1], None, S, 20 * S + IDLE, IDLE);
+        assert_eq!(c.len(), 1);
+        assert!(c.remaining_turns(30, 1) < remaining);
     }
 
     #[test]

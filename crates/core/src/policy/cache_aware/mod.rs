@@ -405,7 +405,7 @@ impl Policy for CacheAware {
             0 => 0.0,
             _ => {
                 let made = continued.map_or(0, |(_, c)| c.turns) + 1;
-                (state.conversations.expected_turns(sessions) - f64::from(made)).max(0.0)
+                state.conversations.remaining_turns(sessions, made)
             }
         };
         let warm_turn = match remaining > 0.0 {
@@ -447,7 +447,10 @@ impl Policy for CacheAware {
                 let evicted = evicted_at(r, blocks);
                 let eviction = self.config.eviction_weight * self.prefill_us(0, evicted as u64 * block) as f64;
                 let sharing = loads.get(i).map_or(0.0, |load| remaining * load * warm_turn as f64);
-                let cost = ttft + (congestion * own_prefill as f64) as u64 + eviction as u64 + sharing as u64;
+                let cost = ttft
+                    .saturating_add((congestion * own_prefill as f64) as u64)
+                    .saturating_add(eviction as u64)
+                    .saturating_add(sharing as u64);
                 // A session's cold requests go where its earlier ones did (the rendezvous below), not by count.
                 let recent = match req.session {
                     Some(_) => 0.0,
