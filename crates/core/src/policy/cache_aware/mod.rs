@@ -138,9 +138,9 @@ impl Default for CacheAwareConfig {
             correct_on_feedback: true,
             prefill_progress: true,
             congestion_weight: 1.0,
-            eviction_weight: 1.0,
+            eviction_weight: 3.0,
             recent_half_life_s: 60.0,
-            recent_epsilon: 0.1,
+            recent_epsilon: 0.05,
             session_turns: 0,
             event_grace_ms: 10_000,
         }

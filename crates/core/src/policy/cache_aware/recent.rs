@@ -72,7 +72,7 @@ mod tests {
 
     #[test]
     fn cold_placements_pass_over_endpoints_sent_more_than_their_share() {
-        // The rendezvous order fills each endpoint up to about 1.1 times the mean, then the next.
+        // The rendezvous order fills each endpoint up to about 1 + recent_epsilon times the mean, then the next.
         let bounded = spread(CacheAwareConfig::default());
         assert!(bounded.iter().all(|&n| (5..=12).contains(&n)), "{bounded:?}");
         let unbounded = spread(CacheAwareConfig {
