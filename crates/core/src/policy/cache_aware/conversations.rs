@@ -21,7 +21,9 @@
 //! about `load` times one warm prefill per turn (a turn arrives while the others prefill that share of the time,
 //! and waits half a prefill on average; the others wait as much on it). That forecast is added to the endpoint's
 //! cost. An endpoint where no other conversation runs costs nothing more, so a new conversation pays a cold
-//! prefill on an idle endpoint when its remaining turns would wait longer than that in all.
+//! prefill on an idle endpoint when its remaining turns would wait longer than that in all. When the endpoints'
+//! prefills share compute (`prefill_contention`), that share of the conversations elsewhere counts too: with one
+//! shared pool, spreading conversations spares no wait.
 //!
 //! The remaining turns come from the chance that a conversation goes on, learned from the requests that continued
 //! one against the conversations that ended, with `session_turns` counted as one conversation of that many

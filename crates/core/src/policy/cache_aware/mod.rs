@@ -37,7 +37,7 @@
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
 //!    (`docs/measurements.md`, "Agents that arrive apart"), unless `session_turns` is set: then the cost also
 //!    counts the delay the conversation's remaining turns and the endpoint's other conversations would cause each
-//!    other there ([`conversations`]).
+//!    other there (module `conversations`).
 //! 4. Record the prompt's blocks for the chosen endpoint, under the same lock as the look-up (a rank override:
 //!    [`Policy::pinned`]); each endpoint forgets its least recently used blocks beyond its KV capacity
 //!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`). A request
@@ -119,7 +119,7 @@ pub struct CacheAwareConfig {
     pub recent_epsilon: f64,
     /// The requests a conversation is expected to make in all: a placement is charged the delay its remaining
     /// turns and those of the other conversations at the endpoint would cause each other there
-    /// ([`conversations`]). 0 leaves the forecast out (each request is placed for its own time to first token).
+    /// (module `conversations`). 0 leaves the forecast out (each request is placed for its own time to first token).
     pub session_turns: u32,
     /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
     /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
