@@ -3,7 +3,8 @@
 //!
 //! Run: `cargo bench -p dprouter-core --bench cache_aware`. The index is filled through rank overrides with 2,048
 //! distinct 32,768-token prompts (512 blocks of 64 tokens each), 128 per endpoint, so each endpoint is at its
-//! capacity of 65,536 blocks and every further decision records and forgets as in steady state.
+//! capacity of 65,536 blocks and every further decision records and forgets as in steady state. The group
+//! `cache_aware_32768_sessions` repeats the decisions with `session_turns = 30` (conversations followed).
 #![allow(clippy::unwrap_used)]
 
 use criterion::{black_box, criterion_group, criterion_main, BatchSize, Criterion, Throughput};
@@ -30,65 +31,82 @@ fn prompt(id: u64, shared_with: Option<u64>, shared: usize) -> RouteRequest {
     RouteRequest::tokens(tokens)
 }
 
+/// A policy of `config` whose index is filled as the module says.
+fn filled(snap: &Snapshot, config: CacheAwareConfig) -> (CacheAware, u64) {
+    let policy = CacheAware::new(config);
+    let prompts = u64::from(ENDPOINTS) * PER_ENDPOINT_BLOCKS / (PROMPT / BLOCK) as u64;
+    for id in 0..prompts {
+        let req = prompt(id, None, 0).with_override((id % u64::from(ENDPOINTS)) as i64);
+        route(&policy, snap, &req).unwrap();
+    }
+    (policy, prompts)
+}
+
 fn bench(c: &mut Criterion) {
     let snap = Snapshot::new(
         (0..ENDPOINTS)
             .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(PER_ENDPOINT_BLOCKS * BLOCK as u64))
             .collect(),
     );
-    let policy = CacheAware::new(CacheAwareConfig {
+    let config = CacheAwareConfig {
         block_tokens: BLOCK,
         ..CacheAwareConfig::default()
-    });
-    let prompts = u64::from(ENDPOINTS) * PER_ENDPOINT_BLOCKS / (PROMPT / BLOCK) as u64;
-    for id in 0..prompts {
-        let req = prompt(id, None, 0).with_override((id % u64::from(ENDPOINTS)) as i64);
-        route(&policy, &snap, &req).unwrap();
-    }
-    let stats = policy.index_stats();
-    eprintln!(
-        "index: {} blocks (capacity {}), {:.1} MiB, {:.1} bytes per block",
-        stats.blocks,
-        stats.capacity_blocks,
-        stats.bytes as f64 / (1 << 20) as f64,
-        stats.bytes as f64 / stats.blocks as f64
-    );
-
-    let mut group = c.benchmark_group("cache_aware_32768");
-    group.throughput(Throughput::Elements(1));
-    // A later turn of an indexed conversation: its first 30,000 tokens are held by one endpoint.
-    let hit = prompt(1 << 40, Some(prompts - 1), 30_000);
-    group.bench_function("route_hit", |b| {
-        b.iter(|| route(&policy, &snap, black_box(&hit)).unwrap())
-    });
-    let mut next = 1u64 << 41;
-    group.bench_function("route_cold", |b| {
-        b.iter_batched(
-            || {
-                next += 1;
-                prompt(next, None, 0)
+    };
+    for (name, config) in [
+        ("cache_aware_32768", config),
+        (
+            "cache_aware_32768_sessions",
+            CacheAwareConfig {
+                session_turns: 30,
+                ..config
             },
-            |req| route(&policy, &snap, &req).unwrap(),
-            BatchSize::LargeInput,
-        )
-    });
-    // The decision and its record without hashing: what a retry costs (its ticket keeps the hashes).
-    let prepared = policy.prepare(&hit);
-    group.bench_function("choose_prepared_hit", |b| {
-        b.iter(|| {
-            policy
-                .choose(&Candidates::all(&snap), black_box(&hit), &prepared)
-                .unwrap()
-        })
-    });
-    group.finish();
-    let stats = policy.index_stats();
-    eprintln!(
-        "index after: {} blocks (capacity {}), {:.1} MiB",
-        stats.blocks,
-        stats.capacity_blocks,
-        stats.bytes as f64 / (1 << 20) as f64
-    );
+        ),
+    ] {
+        let (policy, prompts) = filled(&snap, config);
+        let stats = policy.index_stats();
+        eprintln!(
+            "{name}: index {} blocks (capacity {}), {:.1} MiB, {:.1} bytes per block",
+            stats.blocks,
+            stats.capacity_blocks,
+            stats.bytes as f64 / (1 << 20) as f64,
+            stats.bytes as f64 / stats.blocks as f64
+        );
+        let mut group = c.benchmark_group(name);
+        group.throughput(Throughput::Elements(1));
+        // A later turn of an indexed conversation: its first 30,000 tokens are held by one endpoint.
+        let hit = prompt(1 << 40, Some(prompts - 1), 30_000);
+        group.bench_function("route_hit", |b| {
+            b.iter(|| route(&policy, &snap, black_box(&hit)).unwrap())
+        });
+        let mut next = 1u64 << 41;
+        group.bench_function("route_cold", |b| {
+            b.iter_batched(
+                || {
+                    next += 1;
+                    prompt(next, None, 0)
+                },
+                |req| route(&policy, &snap, &req).unwrap(),
+                BatchSize::LargeInput,
+            )
+        });
+        // The decision and its record without hashing: what a retry costs (its ticket keeps the hashes).
+        let prepared = policy.prepare(&hit);
+        group.bench_function("choose_prepared_hit", |b| {
+            b.iter(|| {
+                policy
+                    .choose(&Candidates::all(&snap), black_box(&hit), &prepared)
+                    .unwrap()
+            })
+        });
+        group.finish();
+        let stats = policy.index_stats();
+        eprintln!(
+            "{name}: index after {} blocks (capacity {}), {:.1} MiB",
+            stats.blocks,
+            stats.capacity_blocks,
+            stats.bytes as f64 / (1 << 20) as f64
+        );
+    }
 }
 
 criterion_group!(benches, bench);

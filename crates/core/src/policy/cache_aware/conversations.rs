@@ -33,10 +33,12 @@
 //! `docs/measurements.md`), which is why it is off by default.
 //!
 //! Memory: one entry per conversation active within the idle time, at most [`MAX_CONVERSATIONS`] (the oldest is
-//! forgotten first). Cost per request: a look-up per prompt block to find the conversation it continues, and per
-//! endpoint a pass over its conversations that have made one request (those of the last hundred prefill times).
+//! forgotten first), and queue entries to forget them by, at most twice as many. Cost per request: a look-up per prompt block to find the conversation it continues, and per
+//! endpoint a pass over its conversations that have made one request (those of the last hundred prefill times, at
+//! most the newest [`MAX_FRESH_PER_SLOT`]).
 
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 /// The most conversations followed at once.
 pub(super) const MAX_CONVERSATIONS: usize = 1 << 16;
@@ -44,8 +46,11 @@ pub(super) const MAX_CONVERSATIONS: usize = 1 << 16;
 /// The counts of continuations and ends halve past this.
 const COUNTS_HALVED_AT: f64 = 20_000.0;
 
-/// A conversation without a pace stops counting when its bound falls below this.
-const MIN_PACE: f64 = 0.01;
+/// The most conversations without a pace counted at one endpoint: the newest.
+pub(super) const MAX_FRESH_PER_SLOT: usize = 64;
+
+/// A conversation that has made one request is over when it has not come back in this many times its prefill time.
+const SINGLE_AFTER_PREFILLS: u64 = 100;
 
 /// One conversation, keyed by the last whole block of its latest prompt.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,6 +79,9 @@ pub(super) struct Conversations {
     by_end: HashMap<u64, Conversation>,
     /// `(idle from, end)` in routing order, to forget conversations that went idle.
     idle: VecDeque<(u64, u64)>,
+    /// `(over at, since, end)` of the conversations that made one request, soonest first, to end those that do
+    /// not come back.
+    single: BinaryHeap<Reverse<(u64, u64, u64)>>,
     slots: Vec<SlotPaces>,
     /// Sum and count of the known paces of all conversations.
     known: (f64, u32),
@@ -139,7 +147,10 @@ impl Conversations {
         idle_us: u64,
     ) {
         self.forget_idle(now_us, idle_us);
+        self.forget_single(now_us);
         let Some(&end) = hashes.last() else { return };
+        // A conversation recorded under this end at this very time is already queued to go idle.
+        let queued = self.by_end.get(&end).is_some_and(|c| c.last_us == now_us);
         let (turns, pace) = match continued {
             // The same prompt again (a retry, a regenerated answer): no new turn.
             Some((key, earlier)) if key == end && self.by_end.get(&key) == Some(&earlier) => {
@@ -181,7 +192,13 @@ impl Conversations {
             service_us,
         };
         self.add(end, conversation);
-        self.idle.push_back((now_us, end));
+        if !queued {
+            self.idle.push_back((now_us, end));
+            if pace.is_none() {
+                let over = now_us + service_us.saturating_mul(SINGLE_AFTER_PREFILLS).min(idle_us);
+                self.single.push(Reverse((over, now_us, end)));
+            }
+        }
     }
 
     /// Forgets the conversations at `slot` (its endpoint left).
@@ -201,6 +218,32 @@ impl Conversations {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.by_end.len()
+    }
+
+    /// Ends the conversations that made one request and have not come back in a hundred times its prefill time (a
+    /// single question, not a conversation), or in the idle time.
+    fn forget_single(&mut self, now_us: u64) {
+        while let Some(&Reverse((over, since, end))) = self.single.peek() {
+            if over > now_us {
+                break;
+            }
+            self.single.pop();
+            if self
+                .by_end
+                .get(&end)
+                .is_some_and(|c| c.last_us == since && c.pace.is_none())
+            {
+                self.end(end);
+            }
+        }
+        // Entries of conversations that went on or were forgotten leave as they come due; past twice the most
+        // conversations followed, they leave at once.
+        if self.single.len() > 2 * MAX_CONVERSATIONS {
+            let by_end = &self.by_end;
+            self.single.retain(|Reverse((_, since, end))| {
+                by_end.get(end).is_some_and(|c| c.last_us == *since && c.pace.is_none())
+            });
+        }
     }
 
     fn forget_idle(&mut self, now_us: u64, idle_us: u64) {
@@ -227,28 +270,19 @@ impl Conversations {
             self.slots.resize(c.slot + 1, SlotPaces::default());
         }
         let paces = &mut self.slots[c.slot];
-        // A conversation that made one request and has not come back in a hundred times its prefill time is over
-        // (a single question, not a conversation).
-        let mut over = Vec::new();
-        paces.fresh.retain(|(end, f)| {
-            let going = fresh_pace(f, 1.0, c.last_us) >= MIN_PACE;
-            if !going {
-                over.push(*end);
-            }
-            going
-        });
-        for end in over {
-            self.by_end.remove(&end);
-            self.ends += 1.0;
-        }
-        let paces = &mut self.slots[c.slot];
         match c.pace {
             Some(p) => {
                 paces.known += p;
                 self.known.0 += p;
                 self.known.1 += 1;
             }
-            None => paces.fresh.push((end, c)),
+            None => {
+                // The oldest beyond the bound stop counting (they would count least), and stay followed.
+                if paces.fresh.len() >= MAX_FRESH_PER_SLOT {
+                    paces.fresh.remove(0);
+                }
+                paces.fresh.push((end, c));
+            }
         }
         self.by_end.insert(end, c);
     }
@@ -305,9 +339,13 @@ mod tests {
         // 1 s of prefill every 4 s.
         assert_eq!(c.load(2, None, 5 * S), 0.25);
         assert_eq!(c.load(2, Some(5), 5 * S), 0.0, "its own pace is left out");
-        // The same prompt again is no new turn.
+        // The same prompt again is no new turn, and queues no second entry to go idle, even at the same time.
         c.record(2, &next, Some((end, now)), S, 5 * S, IDLE);
         assert_eq!(c.continued(&next).unwrap().1.turns, 2);
+        for _ in 0..3 {
+            c.record(2, &next, c.continued(&next), S, 5 * S, IDLE);
+        }
+        assert_eq!(c.idle.len(), 3, "the first two records' entries and one at 5 s");
         // No conversation has ended: the prior's 30 continuations and one end, and the one continuation seen.
         assert_eq!(c.remaining_turns(31, 2), 29.0, "never past the prior");
         assert_eq!(c.remaining_turns(3, 1), 2.0);
@@ -317,19 +355,15 @@ mod tests {
     #[test]
     fn conversations_that_end_lower_the_chance_that_one_goes_on() {
         let mut c = Conversations::default();
-        // Ten single questions 1 s apart, on one slot, each 10 ms of prefill: each is over once the slot takes a
-        // conversation more than a second (a hundred prefill times) later.
+        // Ten single questions 1 s apart, each 10 ms of prefill: each is over a second (a hundred prefill times)
+        // after it was asked, whenever a request comes.
         for i in 0..10u64 {
-            c.record(0, &[100 + i], None, S / 100, i * S + S / 2, IDLE);
+            c.record((i % 2) as usize, &[100 + i], None, S / 100, i * S + S / 2, IDLE);
         }
-        assert_eq!(
-            c.len(),
-            2,
-            "the eight asked more than a second before the last are over"
-        );
-        // The prior (29 continuations, one end) and eight ends: a 29-in-38 chance, 3.2 more turns.
+        assert_eq!(c.len(), 1, "the nine asked a second or more before the last are over");
+        // The prior (29 continuations, one end) and nine ends: a 29-in-39 chance, 2.9 more turns.
         let remaining = c.remaining_turns(30, 1);
-        assert!((remaining - 29.0 / 9.0).abs() < 1e-9, "{remaining}");
+        assert!((remaining - 29.0 / 10.0).abs() < 1e-9, "{remaining}");
         // Idle conversations end too.
         c.record(1, &[1], None, S, 20 * S + IDLE, IDLE);
         assert_eq!(c.len(), 1);
@@ -376,6 +410,8 @@ mod tests {
             c.record(0, &[1_000 + i], None, S, 2 * IDLE, IDLE);
         }
         assert_eq!(c.len(), MAX_CONVERSATIONS);
+        // All made one request just now, but only the newest count, each as busy (no pace known).
+        assert_eq!(c.load(0, None, 2 * IDLE + 1), MAX_FRESH_PER_SLOT as f64);
         c.reset(0);
         assert_eq!((c.len(), c.load(0, None, 2 * IDLE)), (0, 0.0));
     }
