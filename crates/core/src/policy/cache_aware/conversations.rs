@@ -195,7 +195,7 @@ impl Conversations {
         if !queued {
             self.idle.push_back((now_us, end));
             if pace.is_none() {
-                let over = now_us + service_us.saturating_mul(SINGLE_AFTER_PREFILLS).min(idle_us);
+                let over = now_us.saturating_add(service_us.saturating_mul(SINGLE_AFTER_PREFILLS).min(idle_us));
                 self.single.push(Reverse((over, now_us, end)));
             }
         }
