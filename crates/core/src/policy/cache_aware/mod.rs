@@ -395,8 +395,11 @@ impl Policy for CacheAware {
             true => contention::Overlap::new(c.iter().map(queued_work).collect()),
             false => contention::Overlap::default(),
         };
-        let uncached_at =
-            |r: usize| req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks_at(r));
+        // Each candidate's uncached prompt tokens, in candidate order.
+        let uncached_at: Vec<u64> = c
+            .iter()
+            .map(|r| req.input_tokens - self.cached_tokens(&state, state.slot_of_rank[r], req, hashes, blocks_at(r)))
+            .collect();
         // The conversation this request continues, its remaining turns, and one warm turn's prefill.
         let sessions = self.config.session_turns;
         let continued = (sessions > 0).then(|| state.conversations.continued(hashes)).flatten();
@@ -410,7 +413,7 @@ impl Policy for CacheAware {
         };
         let warm_turn = match remaining > 0.0 {
             false => 0,
-            true => self.prefill_us(1, c.iter().map(uncached_at).min().unwrap_or(0)),
+            true => self.prefill_us(1, uncached_at.iter().copied().min().unwrap_or(0)),
         };
         // The other conversations' summed pace at each candidate; when prefills contend, a share of those
         // elsewhere too.
@@ -431,7 +434,7 @@ impl Policy for CacheAware {
             .map(|(i, r)| {
                 let blocks = blocks_at(r);
                 let load = snap.load(r);
-                let uncached = uncached_at(r);
+                let uncached = uncached_at[i];
                 let mut ttft = self.predicted_ttft_us(
                     load.queued_prefill_requests(),
                     load.queued_prefill_tokens(),
