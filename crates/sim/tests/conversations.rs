@@ -8,9 +8,10 @@ use dprouter_sim::{simulate, CostModel, SimConfig, Summary};
 
 /// Steady p99 TTFT (ms) and requests/s of `spec` on `agents` agents on one prefix, started `apart_s` apart.
 fn agents_apart(agents: u64, apart_s: f64, spec: &str) -> (f64, f64) {
+    let cost = CostModel::preset("seed-moe").unwrap();
     let config = SimConfig {
         dp_size: 16,
-        cost: CostModel::preset("seed-moe").unwrap(),
+        cost,
         report_interval: 20_000,
         seed: 0,
         removal: None,
@@ -27,7 +28,11 @@ fn agents_apart(agents: u64, apart_s: f64, spec: &str) -> (f64, f64) {
     .unwrap();
     // The preset's prefill cost, as `dprouter simulate` gives it to cache_aware.
     let spec = match spec.starts_with("cache_aware") {
-        true => format!("{spec},base_ms=1235,prefill_tokens_per_s=3674"),
+        true => format!(
+            "{spec},base_ms={},prefill_tokens_per_s={}",
+            cost.base_s * 1000.0,
+            cost.prefill_tokens_per_s
+        ),
         false => spec.to_string(),
     };
     let policy = PolicyConfig::from_spec(&spec).unwrap().build();

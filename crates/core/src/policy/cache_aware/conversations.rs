@@ -56,7 +56,7 @@ const SINGLE_AFTER_PREFILLS: u64 = 100;
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub(super) struct Conversation {
     /// The slot its latest request went to.
-    pub slot: usize,
+    slot: usize,
     /// When its latest request was routed, microseconds.
     last_us: u64,
     /// Requests so far.
