@@ -48,6 +48,8 @@ fn prints_a_row_per_policy_and_writes_json() {
         "ttft_p99_ms",
         "floor_mean_ms",
         "floor_p99_ms",
+        "pooled_wait_mean_ms",
+        "pooled_shortest_wait_mean_ms",
         "steady_ttft_p50_ms",
         "steady_ttft_p99_ms",
         "hit_rate",
@@ -65,6 +67,8 @@ fn prints_a_row_per_policy_and_writes_json() {
             r["ttft_mean_ms"].as_f64().unwrap(),
         );
         assert!(floor > 0.0 && floor <= mean + 1e-9, "floor {floor} vs mean {mean}");
+        let pooled = r["pooled_wait_mean_ms"].as_f64().unwrap();
+        assert!(pooled >= 0.0 && r["pooled_shortest_wait_mean_ms"].as_f64().unwrap() >= 0.0);
     }
     // Two agents on one prefix, 12 requests over 16 ranks: round_robin never meets a warm rank, prefix_match does.
     assert!(results[1]["hit_rate"].as_f64().unwrap() > results[0]["hit_rate"].as_f64().unwrap());

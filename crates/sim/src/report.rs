@@ -1,11 +1,12 @@
 //! Per-policy summaries of a simulation: the table `dprouter simulate` prints and its JSON.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 
 use serde::Serialize;
 
 use crate::cost::MICROS_PER_SECOND;
-use crate::simulator::{RequestRecord, SimOutcome};
+use crate::simulator::{RankRemoval, RemovalMode, RequestRecord, SimOutcome};
 
 /// One row of the results table (field names are the `--json` keys).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -26,6 +27,15 @@ pub struct Summary {
     pub floor_mean_ms: Option<f64>,
     /// The 99th percentile of the same.
     pub floor_p99_ms: Option<f64>,
+    /// The pooled wait: the mean time the same requests, each taking its floor's prefill time, would have waited in
+    /// one first-come-first-served queue that every rank in service takes from as soon as it is free
+    /// ([`pooled_waits`]). That is the queueing of a dispatcher that could hold each request until a rank frees,
+    /// at this policy's hit rate; the queueing above it is what choosing at arrival cost. `None` (JSON `null`) for
+    /// a run over HTTP.
+    pub pooled_wait_mean_ms: Option<f64>,
+    /// The same queue serving the shortest prefill first: the least mean wait of any order that does not preempt
+    /// a prefill, at this hit rate.
+    pub pooled_shortest_wait_mean_ms: Option<f64>,
     /// Cached prompt tokens over all prompt tokens.
     pub hit_rate: f64,
     /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing); `None` (JSON
@@ -67,6 +77,65 @@ pub fn moved_fraction(records: &[RequestRecord], at: u64) -> Option<f64> {
     (!spanning.is_empty()).then(|| spanning.iter().filter(|&&m| m).count() as f64 / spanning.len() as f64)
 }
 
+/// In which order [`pooled_waits`]' one queue serves its requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolOrder {
+    /// First come, first served: as the engines serve their own queues.
+    Arrival,
+    /// The shortest prefill first (without preempting one in progress): the least mean wait any order gives.
+    Shortest,
+}
+
+/// Each record's wait (by index) in one queue served by `ranks` ranks, each request taking its floor (no floor:
+/// none), in `order`. A rank the `removal` takes out stops taking requests from its time (the one that would be
+/// free last: the pool loses its least available rank). An M/G/c queue over the run's own arrivals (equal
+/// arrivals by id) and prefill times, without contention between ranks.
+pub fn pooled_waits(
+    records: &[RequestRecord],
+    ranks: usize,
+    removal: Option<RankRemoval>,
+    order: PoolOrder,
+) -> Vec<u64> {
+    let mut arrivals: Vec<usize> = (0..records.len()).collect();
+    arrivals.sort_by_key(|&i| (records[i].arrival, records[i].id));
+    let mut arrivals = arrivals.into_iter().peekable();
+    let floor = |i: usize| records[i].floor.unwrap_or(0);
+    let key = |i: usize| match order {
+        PoolOrder::Arrival => (records[i].arrival, records[i].id),
+        PoolOrder::Shortest => (floor(i), records[i].id),
+    };
+    let mut free: BinaryHeap<Reverse<u64>> = (0..ranks.max(1)).map(|_| Reverse(0)).collect();
+    let mut waiting: BinaryHeap<Reverse<((u64, u64), usize)>> = BinaryHeap::new();
+    let mut removal = removal.filter(|m| m.mode != RemovalMode::Control).map(|m| m.at);
+    let mut waits = vec![0; records.len()];
+    // When the last request was taken: every one waiting arrived by then.
+    let mut now = 0;
+    while let Some(&Reverse(rank_free)) = free.peek() {
+        now = match waiting.is_empty() {
+            true => match arrivals.peek() {
+                Some(&i) => rank_free.max(records[i].arrival),
+                None => break,
+            },
+            false => rank_free.max(now),
+        };
+        if removal.is_some_and(|at| now >= at) && free.len() > 1 {
+            let mut times = free.into_sorted_vec();
+            times.remove(0);
+            free = times.into_iter().collect();
+            removal = None;
+            continue;
+        }
+        while let Some(i) = arrivals.next_if(|&i| records[i].arrival <= now) {
+            waiting.push(Reverse((key(i), i)));
+        }
+        let Some(Reverse((_, i))) = waiting.pop() else { break };
+        free.pop();
+        waits[i] = now - records[i].arrival;
+        free.push(Reverse(now + floor(i)));
+    }
+    waits
+}
+
 /// Nearest-rank percentile of sorted values; 0 for none.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -98,6 +167,12 @@ impl Summary {
             f.sort_by(f64::total_cmp);
         }
         let floors = floors.filter(|f| !f.is_empty());
+        let pooled = |order| {
+            floors.as_ref().map(|_| {
+                let waits = pooled_waits(&outcome.records, outcome.routed_per_rank.len(), outcome.removal, order);
+                waits.iter().map(|&w| ms(w)).sum::<f64>() / waits.len() as f64
+            })
+        };
         let prompt: usize = records.iter().map(|r| r.prompt_tokens).sum();
         let cached: usize = records.iter().map(|r| r.cached_tokens).sum();
         let span = match (
@@ -124,6 +199,8 @@ impl Summary {
             steady_ttft_p99_ms: percentile(&steady, 99.0),
             floor_mean_ms: floors.as_ref().map(|f| f.iter().sum::<f64>() / f.len() as f64),
             floor_p99_ms: floors.as_ref().map(|f| percentile(f, 99.0)),
+            pooled_wait_mean_ms: pooled(PoolOrder::Arrival),
+            pooled_shortest_wait_mean_ms: pooled(PoolOrder::Shortest),
             hit_rate: if prompt == 0 {
                 0.0
             } else {
@@ -300,6 +377,56 @@ mod tests {
         let s = Summary::new("p", &outcome);
         assert_eq!((s.floor_mean_ms, s.floor_p99_ms), (None, None));
         assert!(table(&[s]).lines().nth(1).unwrap().contains(" - "));
+    }
+
+    /// Records of (arrival s, floor s), on rank 0.
+    fn timed(requests: &[(u64, u64)]) -> Vec<RequestRecord> {
+        let mut records = Vec::new();
+        for (id, &(arrival_s, floor_s)) in requests.iter().enumerate() {
+            let mut r = record(id as u64, 0, 0, arrival_s * 1_000_000);
+            r.floor = Some(floor_s * 1_000_000);
+            records.push(r);
+        }
+        records
+    }
+
+    #[test]
+    fn the_pooled_wait_is_one_first_come_first_served_queue_over_every_rank() {
+        // Two ranks: 5 s and 2 s from 0; at 1 s the next waits for the second rank (free at 2 s, then at 4 s);
+        // at 3 s the next waits for it again (the first is busy until 5 s).
+        let records = timed(&[(0, 5), (0, 2), (1, 2), (3, 1)]);
+        let fifo = |records: &[RequestRecord], ranks| pooled_waits(records, ranks, None, PoolOrder::Arrival);
+        assert_eq!(fifo(&records, 2), vec![0, 0, 1_000_000, 1_000_000]);
+        assert_eq!(fifo(&records, 3), vec![0, 0, 0, 0]);
+        // One rank: 5 s from 0, then 3 s (from 1 s) and 1 s (from 2 s) wait for it; shortest first takes the 1 s
+        // one first.
+        let records_one = timed(&[(0, 5), (1, 3), (2, 1)]);
+        assert_eq!(fifo(&records_one, 1), vec![0, 4_000_000, 6_000_000]);
+        assert_eq!(
+            pooled_waits(&records_one, 1, None, PoolOrder::Shortest),
+            vec![0, 5_000_000, 3_000_000]
+        );
+        let outcome = SimOutcome {
+            records,
+            routed_per_rank: vec![4, 0],
+            ..SimOutcome::default()
+        };
+        let s = Summary::new("p", &outcome);
+        assert_eq!(
+            (s.pooled_wait_mean_ms, s.pooled_shortest_wait_mean_ms),
+            (Some(500.0), Some(500.0))
+        );
+    }
+
+    #[test]
+    fn a_removed_rank_leaves_the_pool_but_a_control_removes_nothing() {
+        let records = timed(&[(1, 2), (1, 2)]);
+        let waits = |at, mode| pooled_waits(&records, 2, Some(RankRemoval { rank: 1, at, mode }), PoolOrder::Arrival);
+        assert_eq!(waits(500_000, RemovalMode::Control), vec![0, 0]);
+        assert_eq!(waits(500_000, RemovalMode::Down), vec![0, 2_000_000]);
+        assert_eq!(waits(500_000, RemovalMode::Drop), vec![0, 2_000_000]);
+        // A removal after the last arrival changes nothing.
+        assert_eq!(waits(9_000_000, RemovalMode::Down), vec![0, 0]);
     }
 
     #[test]
