@@ -316,6 +316,39 @@ mod tests {
     }
 
     #[test]
+    fn requests_queued_at_a_full_endpoint_do_not_count_as_evictions_of_the_next_one() {
+        // Engines of 64 blocks, both full: the first holds a 32-block prefix, the second other prompts.
+        let p = CacheAware::new(CacheAwareConfig {
+            block_tokens: BLOCK,
+            kv_capacity_tokens: 64 * BLOCK as u64,
+            event_grace_ms: 60_000,
+            ..CacheAwareConfig::default()
+        });
+        let snap = Snapshot::single_worker(2);
+        let prefix = tokens(1, 32 * BLOCK);
+        let store = |rank: usize, t: &[u32]| {
+            let change = CacheChange::Stored {
+                blocks: blocks(t),
+                tails: Vec::new(),
+            };
+            p.engine_cache(snap.endpoints()[rank].id, &change, 0);
+        };
+        let mut first = prefix.clone();
+        first.extend(tokens(2, 32 * BLOCK));
+        store(0, &first);
+        store(1, &tokens(3, 64 * BLOCK));
+        // Requests on the prefix, each with 16 blocks of its own, before any event confirms them: every one
+        // evicts 16 blocks at the first endpoint (what the earlier ones add there is evicted whatever this one
+        // does), 48 at the second.
+        for i in 0..8 {
+            let mut prompt = prefix.clone();
+            prompt.extend(tokens(100 + i, 16 * BLOCK));
+            let pick = route(&p, &snap, &at(&prompt, 1 + u64::from(i))).unwrap();
+            assert_eq!((pick.rank, pick.branch), (0, Branch::Hit), "request {i}");
+        }
+    }
+
+    #[test]
     fn a_decision_the_events_do_not_confirm_is_forgotten_after_the_grace() {
         let snap = Snapshot::single_worker(2);
         let p = policy();

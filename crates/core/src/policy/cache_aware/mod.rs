@@ -23,10 +23,12 @@
 //!    recomputes prefixes it already holds, and the extra work makes the queues longer still. The term counts the
 //!    candidate's own queue, not the fleet's: an idle endpoint delays nobody, so a burst on one hot prefix still
 //!    spreads to idle endpoints (both choices are measured in `docs/measurements.md`, "Choices measured"). Add
-//!    `eviction_weight` times the prefill time of the blocks of other prompts the endpoint would have to forget
-//!    to make room (its capacity, less what the index holds there): they cost that again if asked for. When the
-//!    endpoints' prefills share compute (`prefill_contention`, [`contention`]), TTFT also grows by that share of
-//!    the time it overlaps the prefill work queued at the other endpoints. Ties go to
+//!    `eviction_weight` times the prefill time of the blocks of other prompts this request would make the
+//!    endpoint forget (what the index would hold there beyond its capacity, less what it holds beyond it already:
+//!    in precise mode the index also holds the requests still queued there, which evict whatever this choice is):
+//!    they cost that again if asked for. When the endpoints' prefills share compute (`prefill_contention`,
+//!    [`contention`]), TTFT also grows by that share of the time it overlaps the prefill work queued at the other
+//!    endpoints. Ties go to
 //!    the longer match, then endpoints within their share of recent requests ([`recent`]), then the fewer requests
 //!    in flight, then the fewer blocks to forget, then the higher rendezvous score of the prompt's first block (or
 //!    of the client's session hint, [`RouteRequest::session`]). So a prompt that no endpoint holds (branch `cold`)
@@ -361,11 +363,14 @@ impl Policy for CacheAware {
         let mut lens = vec![0u32; state.index.slot_count()];
         state.index.match_lengths(hashes, &mut lens);
         let blocks_at = |r: usize| lens[state.slot_of_rank[r]] as usize;
-        // Blocks of other prompts the endpoint's cache would have to drop to take this one's new blocks.
+        // Blocks of other prompts the endpoint's cache would have to drop to take this one's new blocks: beyond its
+        // capacity, less what it is beyond it already (in precise mode the index also holds the blocks of requests
+        // still queued there, which the engine will store whatever this choice is).
         let evicted_at = |r: usize, blocks: usize| {
             let slot = state.slot_of_rank[r];
             let capacity = state.events.engine_capacity(slot, state.index.capacity(slot));
-            (state.index.slot_len(slot) + hashes.len() - blocks).saturating_sub(capacity)
+            let held = state.index.slot_len(slot);
+            (held + hashes.len() - blocks).saturating_sub(capacity) - held.saturating_sub(capacity)
         };
         let best_match = c.iter().map(blocks_at).max().unwrap_or(0);
         let half_life_us = self.config.recent_half_life_s * 1e6;
