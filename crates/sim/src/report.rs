@@ -33,8 +33,8 @@ pub struct Summary {
     /// at this policy's hit rate; the queueing above it is what choosing at arrival cost. `None` (JSON `null`) for
     /// a run over HTTP.
     pub pooled_wait_mean_ms: Option<f64>,
-    /// The same queue serving the shortest prefill first: the least mean wait of any order that does not preempt
-    /// a prefill, at this hit rate.
+    /// The same queue serving the shortest prefill first (none preempted): the order that shortens the mean wait
+    /// most, short of preempting prefills (exactly so on one rank), at this hit rate.
     pub pooled_shortest_wait_mean_ms: Option<f64>,
     /// Cached prompt tokens over all prompt tokens.
     pub hit_rate: f64,
@@ -82,7 +82,8 @@ pub fn moved_fraction(records: &[RequestRecord], at: u64) -> Option<f64> {
 pub enum PoolOrder {
     /// First come, first served: as the engines serve their own queues.
     Arrival,
-    /// The shortest prefill first (without preempting one in progress): the least mean wait any order gives.
+    /// The shortest prefill first, without preempting one in progress (on one rank, the least mean wait of any
+    /// such order; on several, close to it).
     Shortest,
 }
 
