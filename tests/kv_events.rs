@@ -176,10 +176,16 @@ struct PythonPublisher {
 
 impl PythonPublisher {
     fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    /// With `args` (`--connect ENDPOINT`).
+    fn start_with(args: &[&str]) -> Self {
         use std::io::BufRead;
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/kv_publisher.py");
         let mut child = std::process::Command::new(common::python())
             .arg(script)
+            .args(args)
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .spawn()
@@ -310,6 +316,86 @@ async fn a_vllm_style_publisher_written_in_python_is_followed() {
         "{silent_feed:?}"
     );
     drop(silent);
+}
+
+/// A gateway whose feed of the Python publisher's rank 0 has the given shape (`kv_events = ...` or
+/// `kv_events_bind = ...` at `publisher`) in front of a mock engine of two ranks, and the feed's status.
+async fn gateway_for_python(engine: &Proc, name: &str, events: &str, replay: &str) -> Proc {
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("kv-events-{name}.toml"));
+    let toml = format!(
+        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 2\n{events}\nkv_events_replay = [{replay:?}]\n",
+        engine.url
+    );
+    std::fs::write(&config, toml).unwrap();
+    Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()])
+}
+
+async fn feed_of(gw: &Proc, endpoint: &str) -> Value {
+    feeds(gw)
+        .await
+        .into_iter()
+        .find(|f| f["endpoint"] == json!(endpoint))
+        .unwrap_or_default()
+}
+
+/// The publisher goes away: its feed says so within seconds. It comes back as a new engine (its cache empty) and
+/// publishes nothing: the feed notices the restart from the replay alone, and empties the endpoint's index before
+/// any request or event, so the prompt it held goes cold. Both shapes: the gateway connecting to a publisher that
+/// binds, and binding for one that connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_goes_away_is_seen_gone_and_its_restart_is_noticed_without_a_request() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    for shape in ["connect", "bind"] {
+        let (held, port) = common::hold_port(0);
+        drop(held);
+        let mut python = match shape {
+            "connect" => PythonPublisher::start(),
+            _ => PythonPublisher::start_with(&["--connect", &format!("tcp://127.0.0.1:{port}")]),
+        };
+        let events = match shape {
+            "connect" => format!("kv_events = [{:?}]", python.publisher),
+            _ => format!("kv_events_bind = [\"tcp://127.0.0.1:{port}\"]"),
+        };
+        let gw = gateway_for_python(&engine, &format!("away-{shape}"), &events, &python.replay).await;
+        // Listed at once, with its shape, before anything connected.
+        let listed = feed_of(&gw, "w0r0").await;
+        assert_eq!(listed["shape"], json!(shape), "{listed}");
+        let connected = eventually(Duration::from_secs(10), || async {
+            feed_of(&gw, "w0r0").await["connected"] == json!(true)
+        });
+        assert!(connected.await, "{shape}: {}", feed_of(&gw, "w0r0").await);
+        python.run("script");
+        let followed = eventually(Duration::from_secs(10), || async {
+            feed_of(&gw, "w0r0").await["router_blocks"] == json!(8)
+        });
+        assert!(followed.await, "{shape}: {}", feed_of(&gw, "w0r0").await);
+        python.run("stop");
+        let gone = eventually(Duration::from_secs(5), || async {
+            feed_of(&gw, "w0r0").await["connected"] == json!(false)
+        });
+        assert!(gone.await, "{shape}: {}", feed_of(&gw, "w0r0").await);
+        python.run("start");
+        let noticed = eventually(Duration::from_secs(10), || async {
+            let f = feed_of(&gw, "w0r0").await;
+            f["connected"] == json!(true) && f["restarts"] == json!(1) && f["router_blocks"] == json!(0)
+        });
+        assert!(noticed.await, "{shape}: {}", feed_of(&gw, "w0r0").await);
+        let before = get(&client(), &format!("{}/workers", gw.url)).await.json["decisions"]["cold"]
+            .as_u64()
+            .unwrap_or(0);
+        let reply = post(
+            &client(),
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&python_tokens(1, 70), None),
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        let after = get(&client(), &format!("{}/workers", gw.url)).await.json["decisions"]["cold"]
+            .as_u64()
+            .unwrap_or(0);
+        assert_eq!(after, before + 1, "{shape}: the restarted engine holds nothing");
+    }
 }
 
 /// Chat requests, with the model's tokenizer on both sides: the engine (the mock, with SmolLM2's tokenizer and chat

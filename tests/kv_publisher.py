@@ -1,13 +1,16 @@
 """A KV event publisher as vLLM writes one (pyzmq, and msgspec structs that mirror vLLM's `kv_events.py`:
 positional arrays, tagged events), to check the gateway's subscriber against an independent implementation.
 
-Usage: python3 kv_publisher.py. It binds a PUB and a ROUTER (replay) socket on free loopback ports and prints
-`pub ENDPOINT replay ENDPOINT`, then obeys one command per line on standard input:
+Usage: python3 kv_publisher.py [--connect ENDPOINT]. It binds a PUB and a ROUTER (replay) socket on free loopback
+ports (with `--connect`, the PUB connects to ENDPOINT instead, where the subscriber binds, as vLLM's does for an
+endpoint without `*`) and prints `pub ENDPOINT replay ENDPOINT`, then obeys one command per line on standard input:
 
 - `script`: publishes batches 0 to 5 (see below), skipping batch 3 on the live socket (a gap the replay fills);
 - `restart`: closes both sockets, binds the same ports again and publishes batches 0 and 1 of a new life (a
   restarted engine), 1.5 s apart;
 - `garbage`: publishes a truncated batch, a batch with an unknown event type, then BlockStored G[0:16];
+- `stop`: closes both sockets (the engine is gone);
+- `start`: opens them again as before (a restarted engine) and publishes nothing;
 - `quit`.
 
 After each command it prints `done`. The batches (block size 4; token ids given by `tokens(seed, n)`):
@@ -88,14 +91,18 @@ def script():
 
 
 class Publisher:
-    def __init__(self, ctx, pub_port=0, replay_port=0):
+    def __init__(self, ctx, pub_port=0, replay_port=0, connect=None):
         # XPUB: a PUB (the same wire protocol to subscribers) that also tells when a subscriber arrives, so the
         # script's live batches are not published before anyone listens.
         self.pub = ctx.socket(zmq.XPUB)
         self.replay = ctx.socket(zmq.ROUTER)
         for s in (self.pub, self.replay):
             s.setsockopt(zmq.LINGER, 0)
-        self.pub_port = self.bind(self.pub, pub_port)
+        if connect:
+            self.pub.connect(connect)
+            self.pub_port = int(connect.rsplit(":", 1)[1])
+        else:
+            self.pub_port = self.bind(self.pub, pub_port)
         self.replay_port = self.bind(self.replay, replay_port)
         self.buffer = []
         self.seq = 0
@@ -121,7 +128,7 @@ class Publisher:
         self.seq += 1
 
     def serve_replays(self):
-        while self.replay.poll(0):
+        while not self.replay.closed and self.replay.poll(0):
             client, _, start = self.replay.recv_multipart()
             start = int.from_bytes(start, "big")
             for seq, payload in self.buffer:
@@ -135,8 +142,9 @@ class Publisher:
 
 
 def main():
+    connect = sys.argv[2] if sys.argv[1:2] == ["--connect"] else None
     ctx = zmq.Context()
-    publisher = Publisher(ctx)
+    publisher = Publisher(ctx, connect=connect)
     print(f"pub tcp://127.0.0.1:{publisher.pub_port} replay tcp://127.0.0.1:{publisher.replay_port}", flush=True)
     poller = zmq.Poller()
     poller.register(publisher.replay, zmq.POLLIN)
@@ -157,7 +165,7 @@ def main():
             ports = publisher.pub_port, publisher.replay_port
             publisher.close()
             time.sleep(0.2)
-            publisher = Publisher(ctx, *ports)
+            publisher = Publisher(ctx, *ports, connect)
             time.sleep(0.5)
             publisher.publish([stored(list(range(500, 504)), None, tokens(5, 16))])
             # A subscriber still reconnecting misses batch 0 live; batch 1 tells it of the restart, and the
@@ -174,6 +182,10 @@ def main():
             publisher.publish(None, payload=msgspec.msgpack.encode([time.time(), [["BlockMoved", [1]]], 0]))
             time.sleep(0.05)
             publisher.publish([stored(list(range(700, 704)), None, tokens(7, 16))])
+        elif line == "stop":
+            publisher.close()
+        elif line == "start":
+            publisher = Publisher(ctx, publisher.pub_port, publisher.replay_port, connect)
         elif line in ("quit", ""):
             publisher.close()
             return

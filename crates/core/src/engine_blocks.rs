@@ -38,8 +38,13 @@ use crate::kv_events::{EngineHash, KvEvent};
 /// What the router's index must do for an endpoint after an event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheChange {
-    /// The endpoint now holds these router blocks (one sequence's, in order) and these tails.
-    Stored { blocks: Vec<u64>, tails: Vec<Tail> },
+    /// The endpoint now holds these router blocks (one sequence's, in order) and these tails, in engine blocks
+    /// of `page` tokens (an engine reuses whole pages only).
+    Stored {
+        blocks: Vec<u64>,
+        tails: Vec<Tail>,
+        page: u32,
+    },
     /// It no longer holds these.
     Removed { blocks: Vec<u64>, tails: Vec<Tail> },
     /// It holds nothing.
@@ -319,7 +324,13 @@ impl EngineBlocks {
                     return Ok(None);
                 }
                 let (blocks, tails) = self.stored(hashes, *parent, tokens, *block_size as usize)?;
-                Ok((!blocks.is_empty() || !tails.is_empty()).then_some(CacheChange::Stored { blocks, tails }))
+                Ok(
+                    (!blocks.is_empty() || !tails.is_empty()).then_some(CacheChange::Stored {
+                        blocks,
+                        tails,
+                        page: *block_size,
+                    }),
+                )
             }
             KvEvent::Removed { hashes, medium, plain } => {
                 if !plain || !on_gpu(medium.as_deref()) {
@@ -459,7 +470,7 @@ mod tests {
     /// A change's blocks, and its tails as (seed, tokens).
     fn parts(change: Result<Option<CacheChange>, FollowError>) -> (Vec<u64>, Vec<(u64, Vec<u32>)>) {
         match change {
-            Ok(Some(CacheChange::Stored { blocks, tails } | CacheChange::Removed { blocks, tails })) => {
+            Ok(Some(CacheChange::Stored { blocks, tails, .. } | CacheChange::Removed { blocks, tails })) => {
                 (blocks, tails.iter().map(|t| (t.seed, t.tokens().to_vec())).collect())
             }
             other => panic!("not a store or a removal: {other:?}"),

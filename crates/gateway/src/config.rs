@@ -95,6 +95,11 @@ pub struct WorkerConfig {
     /// "KV events"): one ZMQ endpoint, rank r at its port + r as the engines offset it, or one per rank.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<EventEndpoints>,
+    /// Instead of `kv_events`, for engines whose publishers connect (vLLM with an endpoint that names a host, such
+    /// as `tcp://127.0.0.1:5557`): where the gateway binds, rank r at its port + r, or one per rank, and each
+    /// rank's publisher connects. One subscriber per address: replicas of the gateway need engines that bind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_bind: Option<EventEndpoints>,
     /// Where it serves replays of its recent events, the same way; without it, a gap in the events empties the
     /// endpoint's index instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -504,14 +509,24 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
             w.url
         )));
     }
-    for (field, endpoints) in [("kv_events", &w.kv_events), ("kv_events_replay", &w.kv_events_replay)] {
+    for (field, endpoints) in [
+        ("kv_events", &w.kv_events),
+        ("kv_events_bind", &w.kv_events_bind),
+        ("kv_events_replay", &w.kv_events_replay),
+    ] {
         if let Some(endpoints) = endpoints {
             endpoints.validate(&w.url, field)?;
         }
     }
-    if w.kv_events_replay.is_some() && w.kv_events.is_none() {
+    if w.kv_events.is_some() && w.kv_events_bind.is_some() {
         return Err(ConfigError::Invalid(format!(
-            "worker `{}`: kv_events_replay needs kv_events",
+            "worker `{}`: kv_events (the gateway connects) and kv_events_bind (the gateway binds) exclude each other",
+            w.url
+        )));
+    }
+    if w.kv_events_replay.is_some() && w.kv_events.is_none() && w.kv_events_bind.is_none() {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: kv_events_replay needs kv_events or kv_events_bind",
             w.url
         )));
     }

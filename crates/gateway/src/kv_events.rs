@@ -14,9 +14,18 @@
 //! duplicate (the live stream overlapping a replay) when it is not newer either, and otherwise an engine that
 //! restarted, with an empty cache (`Cleared`). On subscribing, the feed
 //! replays whatever the engine still holds from sequence 0, so a gateway that starts after the engine learns its
-//! cache as far as the engine's replay buffer reaches. A publisher that is down is retried every second; one that
-//! never publishes leaves its endpoint in approximate mode. Nothing here blocks routing: the policies' lock is
-//! taken once per change.
+//! cache as far as the engine's replay buffer reaches. One that never publishes leaves its endpoint in
+//! approximate mode. Nothing here blocks routing: the policies' lock is taken once per change.
+//!
+//! Two shapes ([`Shape`]): the feed connects to a publisher that binds (`kv_events`; SGLang, the mock engine, vLLM
+//! with `tcp://*:PORT`), or binds where a publisher connects (`kv_events_bind`; vLLM with `tcp://HOST:PORT`). The
+//! socket's own connection events say whether a publisher is attached, so `connected` turns false as soon as the
+//! publisher's connection closes; a connecting feed then drops its socket and connects afresh every second. When
+//! a publisher comes back after the feed had applied batches, the feed asks the replay endpoint for the last
+//! batch it applied: the same batch means the same engine (what it published meanwhile is replayed), none or
+//! another means the engine restarted, and its endpoint's index is emptied then, before any request goes there.
+//! Without a replay endpoint the feed cannot tell, and the endpoint is approximate until the next stored blocks.
+//! A host that vanishes without closing its connection is not noticed here (no heartbeat).
 //!
 //! Workers added at run time (`POST /workers`) have no events: only the config file names them.
 
@@ -28,10 +37,11 @@ use bytes::Bytes;
 use dprouter_core::engine_blocks::{CacheChange, EngineBlocks, FollowError};
 use dprouter_core::kv_events::{decode_batch, EventBatch};
 use dprouter_core::{EndpointId, PolicyConfig};
+use futures_util::StreamExt;
 use serde::Serialize;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::worker_url_key;
 use crate::state::AppState;
@@ -48,13 +58,26 @@ const END: u64 = u64::MAX;
 /// The `kind`s of `dprouter_kv_event_errors_total`.
 const ERROR_KINDS: [&str; 7] = ["gap", "restart", "decode", "orphan", "overflow", "replay", "frames"];
 
+/// How a feed meets its engine's publisher.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Shape {
+    /// The publisher binds; the feed connects to it.
+    #[default]
+    Connect,
+    /// The feed binds; the publisher connects to it.
+    Bind,
+}
+
 /// What one endpoint's feed has seen, for `GET /kv_events`.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct FeedStatus {
     pub endpoint: String,
+    /// The publisher's address (`shape` connect), or the feed's own (`shape` bind).
     pub publisher: String,
+    pub shape: Shape,
     pub replay: Option<String>,
-    /// Subscribed, and caught up with what the engine's replay held then.
+    /// A publisher is attached, and the feed has caught up with what the engine's replay held then.
     pub connected: bool,
     pub batches: u64,
     pub last_seq: Option<u64>,
@@ -81,7 +104,12 @@ fn lock(feeds: &Feeds) -> std::sync::MutexGuard<'_, HashMap<EndpointId, FeedStat
 
 /// Starts the supervisor when a worker has `kv_events` and the policy is `cache_aware`.
 pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Option<JoinHandle<()>> {
-    if !state.config.workers.iter().any(|w| w.kv_events.is_some()) {
+    if !state
+        .config
+        .workers
+        .iter()
+        .any(|w| w.kv_events.is_some() || w.kv_events_bind.is_some())
+    {
         return None;
     }
     let PolicyConfig::CacheAware(policy) = &state.config.routing else {
@@ -92,54 +120,75 @@ pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Option<JoinHa
     Some(tokio::spawn(supervise(state, stop, block_tokens)))
 }
 
-/// Keeps one feed per endpoint with events, as endpoints come and go.
-async fn supervise(state: Arc<AppState>, mut stop: watch::Receiver<bool>, block_tokens: usize) {
+/// Keeps one feed per endpoint with events, as endpoints come and go: those of the endpoints present now are
+/// started (and listed) before this returns, the rest once a second.
+fn supervise(
+    state: Arc<AppState>,
+    mut stop: watch::Receiver<bool>,
+    block_tokens: usize,
+) -> impl std::future::Future<Output = ()> {
     let mut feeds: HashMap<EndpointId, JoinHandle<()>> = HashMap::new();
-    let mut ticker = tokio::time::interval(RECONNECT);
-    loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            _ = stop.changed() => break,
-        }
-        let membership = state.registry.membership();
-        let mut present = Vec::new();
-        for target in &membership.targets {
-            let key = worker_url_key(&target.base);
-            let Some(worker) = state.config.workers.iter().find(|w| worker_url_key(&w.url) == key) else {
-                continue;
-            };
-            let rank = target.id.dp_rank;
-            let Some(publisher) = worker.kv_events.as_ref().and_then(|e| e.for_rank(rank)) else {
-                continue;
-            };
-            present.push(target.id);
-            if feeds.contains_key(&target.id) {
-                continue;
+    reconcile(&state, &mut feeds, block_tokens);
+    async move {
+        let mut ticker = tokio::time::interval(RECONNECT);
+        loop {
+            tokio::select! {
+                _ = ticker.tick() => {}
+                _ = stop.changed() => break,
             }
-            let replay = worker.kv_events_replay.as_ref().and_then(|e| e.for_rank(rank));
-            let feed = Feed {
-                state: Arc::clone(&state),
-                endpoint: target.id,
-                models: target.models.to_vec(),
-                publisher,
-                replay,
-                blocks: EngineBlocks::new(block_tokens, MAX_ENGINE_BLOCKS),
-                last: None,
-            };
-            feeds.insert(target.id, tokio::spawn(feed.run()));
+            reconcile(&state, &mut feeds, block_tokens);
         }
-        feeds.retain(|id, task| {
-            let keep = present.contains(id);
-            if !keep {
-                task.abort();
-                lock(&state.kv_feeds).remove(id);
-            }
-            keep
-        });
+        for task in feeds.into_values() {
+            task.abort();
+        }
     }
-    for task in feeds.into_values() {
-        task.abort();
+}
+
+/// Starts a feed (listed at once, not connected) for each present endpoint with events that has none, and stops
+/// those of endpoints gone.
+fn reconcile(state: &Arc<AppState>, feeds: &mut HashMap<EndpointId, JoinHandle<()>>, block_tokens: usize) {
+    let membership = state.registry.membership();
+    let mut present = Vec::new();
+    for target in &membership.targets {
+        let key = worker_url_key(&target.base);
+        let Some(worker) = state.config.workers.iter().find(|w| worker_url_key(&w.url) == key) else {
+            continue;
+        };
+        let rank = target.id.dp_rank;
+        let (shape, endpoints) = match (&worker.kv_events, &worker.kv_events_bind) {
+            (Some(endpoints), _) => (Shape::Connect, endpoints),
+            (None, Some(endpoints)) => (Shape::Bind, endpoints),
+            (None, None) => continue,
+        };
+        let Some(publisher) = endpoints.for_rank(rank) else {
+            continue;
+        };
+        present.push(target.id);
+        if feeds.contains_key(&target.id) {
+            continue;
+        }
+        let replay = worker.kv_events_replay.as_ref().and_then(|e| e.for_rank(rank));
+        let feed = Feed {
+            state: Arc::clone(state),
+            endpoint: target.id,
+            models: target.models.to_vec(),
+            publisher,
+            shape,
+            replay,
+            blocks: EngineBlocks::new(block_tokens, MAX_ENGINE_BLOCKS),
+            last: None,
+        };
+        feed.status(|_| {});
+        feeds.insert(target.id, tokio::spawn(feed.run()));
     }
+    feeds.retain(|id, task| {
+        let keep = present.contains(id);
+        if !keep {
+            task.abort();
+            lock(&state.kv_feeds).remove(id);
+        }
+        keep
+    });
 }
 
 struct Feed {
@@ -147,6 +196,7 @@ struct Feed {
     endpoint: EndpointId,
     models: Vec<String>,
     publisher: String,
+    shape: Shape,
     replay: Option<String>,
     blocks: EngineBlocks,
     /// The last sequence number applied, and its batch's time.
@@ -196,6 +246,7 @@ impl Feed {
         let status = feeds.entry(self.endpoint).or_insert_with(|| FeedStatus {
             endpoint: self.endpoint.to_string(),
             publisher: self.publisher.clone(),
+            shape: self.shape,
             replay: self.replay.clone(),
             ..FeedStatus::default()
         });
@@ -246,32 +297,130 @@ impl Feed {
         metrics::counter!(telemetry::KV_EVENT_BATCHES, "endpoint" => self.endpoint.to_string()).increment(0);
         loop {
             let mut socket = zeromq::SubSocket::new();
-            let connected = async {
-                socket.connect(&self.publisher).await?;
+            let mut monitor = socket.monitor();
+            let attached = async {
+                match self.shape {
+                    Shape::Connect => socket.connect(&self.publisher).await?,
+                    Shape::Bind => drop(socket.bind(&self.publisher).await?),
+                }
                 socket.subscribe("").await
             };
-            if let Err(e) = connected.await {
-                tracing::debug!(endpoint = %self.endpoint, publisher = %self.publisher, error = %e, "KV events: cannot subscribe yet");
+            if let Err(e) = attached.await {
+                match self.shape {
+                    Shape::Connect => {
+                        tracing::debug!(endpoint = %self.endpoint, publisher = %self.publisher, error = %e, "KV events: cannot subscribe yet")
+                    }
+                    Shape::Bind => {
+                        tracing::warn!(endpoint = %self.endpoint, address = %self.publisher, error = %e, "KV events: cannot bind")
+                    }
+                }
                 tokio::time::sleep(RECONNECT).await;
                 continue;
             }
-            tracing::info!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: subscribed");
-            // What the engine published before (or while) we subscribed, as far as it still holds it; the feed
-            // counts as connected once it has caught up.
-            let from = self.last.map_or(0, |(seq, _)| seq + 1);
-            self.replay_range(from, u64::MAX).await;
-            self.status(|s| s.connected = true);
-            while let Ok(message) = socket.recv().await {
-                let frames = message.into_vec();
-                let Some((seq, payload)) = sequenced(&frames) else {
-                    self.count("frames");
-                    continue;
-                };
-                self.receive(seq, payload).await;
+            // Publishers attached: a connecting feed has its one; a binding feed waits for them.
+            let mut peers = match self.shape {
+                Shape::Connect => {
+                    tracing::info!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: subscribed");
+                    self.attached().await;
+                    1usize
+                }
+                Shape::Bind => {
+                    tracing::info!(endpoint = %self.endpoint, address = %self.publisher, "KV events: waiting for the publisher to connect");
+                    0
+                }
+            };
+            loop {
+                tokio::select! {
+                    message = socket.recv() => {
+                        let Ok(message) = message else { break };
+                        let frames = message.into_vec();
+                        let Some((seq, payload)) = sequenced(&frames) else {
+                            self.count("frames");
+                            continue;
+                        };
+                        self.receive(seq, payload).await;
+                    }
+                    event = monitor.next() => match event {
+                        Some(SocketEvent::Accepted(..)) if self.shape == Shape::Bind => {
+                            peers += 1;
+                            if peers == 1 {
+                                tracing::info!(endpoint = %self.endpoint, address = %self.publisher, "KV events: the publisher connected");
+                                self.attached().await;
+                            }
+                        }
+                        Some(SocketEvent::Disconnected(_)) => {
+                            peers = peers.saturating_sub(1);
+                            if peers == 0 {
+                                self.status(|s| s.connected = false);
+                                tracing::warn!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: the publisher went away");
+                                if self.shape == Shape::Connect {
+                                    break;
+                                }
+                            }
+                        }
+                        Some(_) => {}
+                        None => break,
+                    },
+                }
             }
             self.status(|s| s.connected = false);
-            tracing::warn!(endpoint = %self.endpoint, "KV events: the subscription ended; reconnecting");
             tokio::time::sleep(RECONNECT).await;
+        }
+    }
+
+    /// A publisher is attached: catch up with what the engine published before (or while) the feed was away, as
+    /// far as its replay reaches, and tell a restarted engine from the same one; then the feed is connected.
+    async fn attached(&mut self) {
+        match self.last {
+            None => {
+                self.replay_range(0, u64::MAX).await;
+            }
+            Some((last, ts)) => self.rejoin(last, ts).await,
+        }
+        self.status(|s| s.connected = true);
+    }
+
+    /// Back after batch `last` (of time `ts`): the engine's replay from `last` says whether it is the same engine
+    /// (it still has that batch) or a restarted one (it has no such batch, or another one by that number).
+    async fn rejoin(&mut self, last: u64, ts: f64) {
+        let batches = match self.fetch(last).await {
+            Some(batches) => batches,
+            None => {
+                // No replay, or a failed one: what was published meanwhile, or whether the engine restarted, is
+                // unknown.
+                self.untrack();
+                return;
+            }
+        };
+        let same = batches
+            .first()
+            .filter(|(seq, _)| *seq == last)
+            .and_then(|(_, payload)| decode_batch(payload).ok())
+            .is_some_and(|batch| batch.ts == ts);
+        if batches.first().is_some_and(|(seq, _)| *seq > last) {
+            // The same engine, but its replay no longer reaches back to where the feed stopped.
+            self.count("gap");
+            self.status(|s| s.gaps += 1);
+            self.untrack();
+            self.apply_replayed(batches, last + 1);
+        } else if same {
+            self.apply_replayed(batches, last + 1);
+        } else {
+            tracing::warn!(endpoint = %self.endpoint, last, "KV events: the engine does not have the last batch applied (it restarted): index emptied");
+            self.restarted(0).await;
+            self.replay_range(0, u64::MAX).await;
+        }
+    }
+
+    /// The engine restarted: its cache is empty, and so is the endpoint's index; its batches before `seq` are
+    /// replayed.
+    async fn restarted(&mut self, seq: u64) {
+        self.count("restart");
+        self.status(|s| s.restarts += 1);
+        self.clear();
+        self.last = None;
+        if seq > 0 {
+            self.replay_range(0, seq).await;
         }
     }
 
@@ -294,11 +443,7 @@ impl Feed {
             Verdict::Duplicate => return,
             Verdict::Restart => {
                 tracing::warn!(endpoint = %self.endpoint, seq, "KV events: the sequence went back (engine restart): index emptied");
-                self.count("restart");
-                self.status(|s| s.restarts += 1);
-                self.clear();
-                self.last = None;
-                self.replay_range(0, seq).await;
+                self.restarted(seq).await;
             }
             Verdict::Join => {
                 self.replay_range(0, seq).await;
@@ -350,28 +495,39 @@ impl Feed {
     /// Replays batches `from..to` from the replay endpoint and applies them in order; `true` if all of them came
     /// (`to = u64::MAX`: whatever there is).
     async fn replay_range(&mut self, from: u64, to: u64) -> bool {
-        let Some(replay) = self.replay.clone() else {
+        let Some(batches) = self.fetch(from).await else {
             return false;
-        };
-        let fetched = tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&replay, from)).await;
-        let batches = match fetched {
-            Ok(Ok(batches)) => batches,
-            Ok(Err(e)) => {
-                tracing::warn!(endpoint = %self.endpoint, %replay, error = %e, "KV events: replay failed");
-                self.count("replay");
-                return false;
-            }
-            Err(_) => {
-                tracing::warn!(endpoint = %self.endpoint, %replay, "KV events: replay timed out");
-                self.count("replay");
-                return false;
-            }
         };
         let wanted: Vec<(u64, Bytes)> = batches.into_iter().filter(|(s, _)| (from..to).contains(s)).collect();
         let complete =
             to == u64::MAX || (wanted.len() as u64 == to - from && wanted.first().is_none_or(|(s, _)| *s == from));
-        let n = wanted.len() as u64;
-        for (seq, payload) in wanted {
+        self.apply_replayed(wanted, from) && complete
+    }
+
+    /// Every batch from `from` that the replay endpoint still holds; `None` without one, or when it fails.
+    async fn fetch(&mut self, from: u64) -> Option<Vec<(u64, Bytes)>> {
+        let replay = self.replay.clone()?;
+        match tokio::time::timeout(REPLAY_TIMEOUT, fetch_replay(&replay, from)).await {
+            Ok(Ok(batches)) => Some(batches),
+            Ok(Err(e)) => {
+                tracing::warn!(endpoint = %self.endpoint, %replay, error = %e, "KV events: replay failed");
+                self.count("replay");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(endpoint = %self.endpoint, %replay, "KV events: replay timed out");
+                self.count("replay");
+                None
+            }
+        }
+    }
+
+    /// Applies replayed `batches` numbered from `from` on, in order, skipping those already applied; `false` if one
+    /// could not be read (the endpoint is approximate then).
+    fn apply_replayed(&mut self, batches: Vec<(u64, Bytes)>, from: u64) -> bool {
+        let mut n = 0;
+        for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= from) {
+            n += 1;
             match decode_batch(&payload) {
                 Ok(batch) if classify(self.last, seq, batch.ts) != Verdict::Duplicate => self.apply(seq, &batch),
                 Ok(_) => {}
@@ -384,7 +540,7 @@ impl Feed {
             }
         }
         self.status(|s| s.replayed_batches += n);
-        complete
+        true
     }
 }
 

@@ -132,8 +132,10 @@ impl AppState {
         self.check_not_registered(worker)?;
         let id = self.registry.add_worker(worker, info.clone());
         drop(adding);
+        // The capacity the worker got: the configured one, else what the engine said.
+        let kv_capacity = worker.kv_capacity_tokens.or(info.kv_capacity);
         tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,
-                       kv_capacity = ?info.kv_capacity, worker = id.0, "worker added");
+                       kv_capacity = ?kv_capacity, worker = id.0, "worker added");
         Ok((id, info.dp_size))
     }
 

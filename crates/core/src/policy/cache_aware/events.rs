@@ -4,7 +4,9 @@
 //! ([`crate::engine_blocks`]) and hands the changes to [`crate::policy::Policy::engine_cache`]: stored blocks are recorded (and
 //! count as *confirmed*), removed ones forgotten, a clear empties the endpoint; the tokens held past each sequence's
 //! last whole block ([`crate::engine_blocks::Tail`]) are kept beside them, so a prediction there counts the
-//! engine's cached tokens to its page. The endpoint is then *precise*:
+//! engine's cached tokens to its page; and as an engine reuses whole pages only, and always computes a prompt's
+//! last token, a prediction there is what the index holds, less the prompt's last token, rounded down to the
+//! engine's page (vLLM's 128-token CPU blocks: a fully cached 1,024-token prompt reuses 896). The endpoint is then *precise*:
 //! the blocks of a request routed there are recorded at once, as in approximate mode (a burst of requests on one
 //! prefix must see where the first went before any event can say so), but only for `event_grace_ms`: when that
 //! has passed, those the events have not confirmed by then are forgotten (the engine did not keep them: the
@@ -40,6 +42,8 @@ struct Held {
     confirmed: HashSet<u64, PassThroughBuild>,
     /// Tokens past the last whole router block of each sequence.
     tails: HeldTails,
+    /// The engine's page (block) size in tokens, from its latest stored blocks: it reuses whole pages only.
+    page: u32,
 }
 
 #[derive(Debug)]
@@ -80,6 +84,11 @@ impl EventState {
     /// match, in precise mode (0 in approximate mode, whose index knows whole blocks alone).
     pub(super) fn tail_tokens(&self, slot: usize, seed: u64, rest: &[u32]) -> usize {
         self.held(slot).map_or(0, |held| held.tails.longest(seed, rest))
+    }
+
+    /// The engine's page size at `slot` in precise mode, once its events said (1: any number of tokens).
+    pub(super) fn page(&self, slot: usize) -> u64 {
+        self.held(slot).map_or(1, |held| u64::from(held.page.max(1)))
     }
 
     fn held(&self, slot: usize) -> Option<&Held> {
@@ -131,9 +140,10 @@ impl State {
     fn apply(&mut self, slot: usize, change: &CacheChange) {
         let was_precise = self.events.confirmed(slot).is_some();
         match change {
-            CacheChange::Stored { blocks, .. } => {
+            CacheChange::Stored { blocks, page, .. } => {
                 self.index.record(slot, blocks);
                 let held = self.events.held_mut(slot);
+                held.page = *page;
                 held.confirmed.extend(blocks.iter().copied());
                 held.tails.apply(change);
             }
@@ -245,6 +255,7 @@ mod tests {
             &CacheChange::Stored {
                 blocks: blocks(&prompt),
                 tails: Vec::new(),
+                page: 1,
             },
             0,
         );
@@ -263,6 +274,44 @@ mod tests {
         assert_eq!(p.predicted_cached(&snap, &at(&prompt, 3))[2], 160);
         p.engine_cache(third, &CacheChange::Cleared, 4);
         assert_eq!(p.predicted_cached(&snap, &at(&prompt, 5))[2], 0);
+    }
+
+    #[test]
+    fn predictions_are_whole_engine_pages_short_of_the_prompts_last_token() {
+        use crate::engine_blocks::EngineBlocks;
+        use crate::kv_events::KvEvent;
+        let snap = Snapshot::single_worker(2);
+        let p = policy();
+        let id = snap.endpoints()[0].id;
+        // vLLM's CPU blocks: 128 tokens. The engine stored a 1,024-token prompt's eight pages.
+        let prompt = tokens(3, 1024);
+        let mut engine = EngineBlocks::new(BLOCK, usize::MAX);
+        let change = engine
+            .apply(&KvEvent::Stored {
+                hashes: (0..8).collect(),
+                parent: None,
+                tokens: prompt.clone(),
+                block_size: 128,
+                medium: None,
+                plain: true,
+            })
+            .unwrap()
+            .unwrap();
+        p.engine_cache(id, &change, 0);
+        // The same prompt again: the engine computes its last token, so it reuses seven pages, not 1,023 tokens.
+        assert_eq!(p.predicted_cached(&snap, &at(&prompt, 1))[0], 896);
+        // A longer prompt reuses all eight.
+        let mut longer = prompt.clone();
+        longer.extend(tokens(4, 100));
+        assert_eq!(p.predicted_cached(&snap, &at(&longer, 1))[0], 1024);
+        // A request routed there and not yet confirmed counts the router's blocks it added in whole pages too:
+        // 1,024 + 100 + 60 tokens, of which the engine will hold nine pages.
+        let mut next = longer.clone();
+        next.extend(tokens(5, 60));
+        route(&p, &snap, &at(&next, 2)).unwrap();
+        let mut after = next.clone();
+        after.extend(tokens(6, 40));
+        assert_eq!(p.predicted_cached(&snap, &at(&after, 3))[0], 1152);
     }
 
     #[test]
@@ -330,6 +379,7 @@ mod tests {
             let change = CacheChange::Stored {
                 blocks: blocks(t),
                 tails: Vec::new(),
+                page: 1,
             };
             p.engine_cache(snap.endpoints()[rank].id, &change, 0);
         };
@@ -364,6 +414,7 @@ mod tests {
             &CacheChange::Stored {
                 blocks: blocks(&kept),
                 tails: Vec::new(),
+                page: 1,
             },
             500,
         );

@@ -226,7 +226,8 @@ impl CacheAware {
     }
 
     /// Cached tokens of `req` (of block hashes `hashes`) at `slot`, whose index holds `blocks` of its leading
-    /// blocks; in precise mode, also the tokens of the next block its engine holds.
+    /// blocks; in precise mode, also the tokens of the next block its engine holds, in whole engine pages. Never
+    /// the prompt's last token, which an engine always computes.
     fn cached_tokens(&self, state: &State, slot: usize, req: &RouteRequest, hashes: &[u64], blocks: usize) -> u64 {
         let units = (blocks * self.block_units(&req.prompt)) as u64;
         let tokens = match &req.prompt {
@@ -237,7 +238,8 @@ impl CacheAware {
             }
             Prompt::Bytes(_) => units / BYTES_PER_TOKEN,
         };
-        tokens.min(req.input_tokens.saturating_sub(1))
+        let page = state.events.page(slot);
+        tokens.min(req.input_tokens.saturating_sub(1)) / page * page
     }
 
     /// The predicted TTFT in microseconds of `uncached` new tokens behind `queued` requests of `queued_tokens`,

@@ -1,0 +1,329 @@
+//! End-to-end with a real vLLM: `dprouter serve --backend vllm` in front of vLLM's CPU build serving SmolLM2-135M
+//! with `--data-parallel-size 2` (`scripts/vllm_engine.py`: installed once into a cache outside the clone, started
+//! once for this whole test binary, each test from a cold prefix cache). The rank goes in `X-data-parallel-rank`;
+//! vLLM's own per-engine metrics and its KV events' ranks are the evidence of where a request ran. The engine
+//! caches whole 128-token blocks only, so a turn *hits* when vLLM reports (`usage.prompt_tokens_details`) at least
+//! the previous turn's prompt rounded down to 128 tokens.
+//!
+//! Needs Python 3.11+ and the package index the first time (about 3.2 GB of wheels, 6.2 GB on disk, 5 to 7
+//! minutes); skipped, with a message, only when the package index cannot be reached at all.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{client, eventually, get, post, Proc, VllmEngine};
+use hyper::StatusCode;
+use serde_json::{json, Value};
+
+/// vLLM's KV cache block on CPU, tokens.
+const BLOCK: u64 = 128;
+
+/// One test at a time on the shared engine: each starts from a cold cache, and only one gateway can bind the
+/// address the engine's publishers connect to.
+static ENGINE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// The shared engine, its prefix cache emptied; `None` (the test is skipped) when vLLM cannot be installed. A rank
+/// publishes the clear (`AllBlocksCleared`) with its next step of its own, so one short request goes to each:
+/// then the replay a new gateway asks for ends with it.
+async fn cold_engine() -> Option<&'static VllmEngine> {
+    let engine = tokio::task::spawn_blocking(VllmEngine::shared).await.unwrap()?;
+    let c = client();
+    let reply = post(&c, &format!("{}/reset_prefix_cache", engine.url), &[], &json!({})).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    step_each_rank(&engine.url).await;
+    Some(engine)
+}
+
+/// One short request pinned to each rank at `url` (vLLM itself, or a gateway).
+async fn step_each_rank(url: &str) {
+    for rank in ["0", "1"] {
+        let body = json!({"model": "smollm2", "prompt": "Hello.", "max_tokens": 1});
+        let reply = post(
+            &client(),
+            &format!("{url}/v1/completions"),
+            &[("x-data-parallel-rank", rank)],
+            &body,
+        )
+        .await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+}
+
+/// The rank that answered, from the gateway's `x-dprouter-endpoint` (`w0r1`).
+fn rank_of(reply: &common::Reply) -> Option<u64> {
+    reply.endpoint.as_deref()?.rsplit('r').next()?.parse().ok()
+}
+
+/// A system prompt of about 400 tokens, different for every conversation from its first token on.
+fn system_prompt(n: usize) -> String {
+    let mut text = format!("You are assistant number {n}. You answer briefly. Your tools:\n");
+    for i in 0..24 {
+        text.push_str(&format!(
+            "- tool_{n}_{i}: looks up record {i} of ledger {n} and returns its balance.\n"
+        ));
+    }
+    text
+}
+
+/// One turn as the client saw it.
+#[derive(Debug, Clone)]
+struct Turn {
+    rank: Option<u64>,
+    prompt: u64,
+    cached: u64,
+    ttft: Duration,
+}
+
+/// `conversations` conversations, each with its own system prompt, running at once through `url`, `turns` turns
+/// each (a short question, an answer of at most 8 tokens: less than a block per turn).
+async fn converse(url: &str, conversations: usize, turns: usize) -> Vec<Vec<Turn>> {
+    let tasks: Vec<_> = (0..conversations)
+        .map(|n| {
+            let url = url.to_string();
+            tokio::spawn(async move {
+                let c = client();
+                let mut history = vec![json!({"role": "system", "content": system_prompt(n)})];
+                let mut seen = Vec::new();
+                for turn in 0..turns {
+                    history.push(json!({"role": "user", "content": format!("Turn {turn}: what is {turn} plus {n}?")}));
+                    let body = json!({"model": "smollm2", "messages": history, "max_tokens": 8, "temperature": 0});
+                    let started = Instant::now();
+                    let reply = post(&c, &format!("{url}/v1/chat/completions"), &[], &body).await;
+                    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+                    let answer = reply.json["choices"][0]["message"]["content"]
+                        .as_str()
+                        .unwrap()
+                        .to_string();
+                    history.push(json!({"role": "assistant", "content": answer}));
+                    let usage = &reply.json["usage"];
+                    seen.push(Turn {
+                        rank: rank_of(&reply),
+                        prompt: usage["prompt_tokens"].as_u64().unwrap(),
+                        cached: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+                        ttft: started.elapsed(),
+                    });
+                }
+                seen
+            })
+        })
+        .collect();
+    let mut all = Vec::new();
+    for task in tasks {
+        all.push(task.await.unwrap());
+    }
+    all
+}
+
+/// Per conversation: its ranks, and its turns' mean time to the whole (short) answer.
+fn summary(seen: &[Vec<Turn>]) -> String {
+    seen.iter()
+        .map(|turns| {
+            let ranks: Vec<String> = turns
+                .iter()
+                .map(|t| t.rank.map_or("-".into(), |r| r.to_string()))
+                .collect();
+            let mean = turns.iter().map(|t| t.ttft).sum::<Duration>() / turns.len().max(1) as u32;
+            format!("ranks {} mean {:.2} s", ranks.join(""), mean.as_secs_f64())
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Turns after each conversation's first that found at least the previous prompt's whole blocks cached.
+fn hits(turns: &[Turn]) -> usize {
+    turns
+        .windows(2)
+        .filter(|w| w[1].cached >= w[0].prompt / BLOCK * BLOCK)
+        .count()
+}
+
+/// A gateway in front of `engine` (`--backend vllm`, two ranks) with `routing` (TOML lines of `[routing]`) and
+/// `extra` lines for the worker; its log (the access log included) goes to a file, returned with it.
+fn gateway(engine: &VllmEngine, name: &str, top: &str, routing: &str, extra: &str) -> (Proc, std::path::PathBuf) {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let config = dir.join(format!("real-vllm-{name}.toml"));
+    let log = dir.join(format!("real-vllm-{name}.log"));
+    let toml = format!(
+        "{top}\n[server]\naccess_log = true\n\n[routing]\n{routing}\n\n[[workers]]\nurl = {:?}\nbackend = \"vllm\"\ndp_size = 2\nkv_capacity_tokens = 20000\n{extra}\n",
+        engine.url
+    );
+    std::fs::write(&config, toml).unwrap();
+    let bin = std::env::var("DPROUTER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dprouter").to_string());
+    let mut command = Command::new(bin);
+    command
+        .args(["serve", "--listen", "127.0.0.1:0", "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "warn,dprouter::access=info")
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()));
+    (Proc::spawn(command), log)
+}
+
+/// cache_aware with the CPU engine's measured costs: about 150 prompt tokens a second per rank, and a fixed part
+/// of 0.3 s (eight tokens decoded at about 8 a second are most of it).
+const CACHE_AWARE: &str = "policy = \"cache_aware\"\nprefill_tokens_per_s = 150\nbase_ms = 300";
+
+/// vLLM's prompt tokens per engine (rank), from its own metrics.
+async fn engine_prompt_tokens(engine: &VllmEngine) -> HashMap<u64, u64> {
+    let text = get(&client(), &format!("{}/metrics", engine.url)).await.text;
+    let mut out = HashMap::new();
+    for line in text.lines().filter(|l| l.starts_with("vllm:prompt_tokens_total{")) {
+        let rank = line
+            .split("engine=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+            .and_then(|r| r.parse().ok());
+        let value = line.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        if let (Some(rank), Some(value)) = (rank, value) {
+            *out.entry(rank).or_insert(0) += value as u64;
+        }
+    }
+    out
+}
+
+/// Each answer's rank (`x-dp-rank`) is where vLLM ran it: vLLM's per-engine prompt tokens grow by exactly the
+/// prompt tokens of the answers the gateway says each rank gave, and both ranks served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_vllm_backend_pins_each_request_to_the_rank_it_names() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let (gw, _) = gateway(engine, "pins", "", "policy = \"round_robin\"", "");
+    let before = engine_prompt_tokens(engine).await;
+    let c = client();
+    let mut expected: HashMap<u64, u64> = HashMap::new();
+    for i in 0..6 {
+        let body = json!({"model": "smollm2", "prompt": format!("Request {i}: count to three."), "max_tokens": 2});
+        let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+        let rank = rank_of(&reply).unwrap();
+        *expected.entry(rank).or_insert(0) += reply.json["usage"]["prompt_tokens"].as_u64().unwrap();
+    }
+    let after = engine_prompt_tokens(engine).await;
+    let served: HashMap<u64, u64> = after
+        .iter()
+        .map(|(rank, n)| (*rank, n - before.get(rank).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert_eq!(served, expected);
+    assert_eq!(served.len(), 2, "both ranks served: {served:?}");
+}
+
+/// Four conversations at once, each with its own 400-token system prompt, four turns each: under `cache_aware`
+/// every turn after a conversation's first hits its rank's cache, and the gateway's token counters are what vLLM
+/// told the clients.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_conversations_hit_on_every_turn_under_cache_aware() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let (gw, _) = gateway(engine, "approximate", "", CACHE_AWARE, "");
+    let seen = converse(&gw.url, 4, 4).await;
+    eprintln!("cache_aware: {}", summary(&seen));
+    let report = format!("{seen:#?}");
+    for turns in &seen {
+        assert!(turns[0].prompt > 300, "{report}");
+        assert_eq!(hits(turns), turns.len() - 1, "{report}");
+    }
+    let prompt: u64 = seen.iter().flatten().map(|t| t.prompt).sum();
+    let cached: u64 = seen.iter().flatten().map(|t| t.cached).sum();
+    assert_eq!(
+        common::token_counters(&client(), &gw.url).await,
+        (prompt, cached),
+        "{report}"
+    );
+}
+
+/// The access log's requests: (cached tokens vLLM reported, cached tokens the gateway predicted).
+fn predictions(log: &std::path::Path) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(log).unwrap();
+    let field = |line: &str, name: &str| -> Option<u64> {
+        let at = line.find(&format!(" {name}="))? + name.len() + 2;
+        line[at..].split(' ').next()?.parse().ok()
+    };
+    text.lines()
+        .filter(|l| l.contains("path=/v1/chat/completions"))
+        .filter_map(|l| Some((field(l, "cached_tokens")?, field(l, "predicted_cached_tokens")?)))
+        .collect()
+}
+
+/// Precise mode against vLLM's own KV events, in the shape where vLLM's publishers connect and the gateway binds
+/// (`kv_events_bind`), with SmolLM2's tokenizer so the gateway's keys are the engine's tokens: both ranks' feeds are
+/// listed, connected and precise; four conversations of six turns hit on every later turn; the gateway predicts
+/// the cached tokens vLLM reports on at least 97% of requests (whole 128-token blocks, the last block of a fully
+/// cached prompt recomputed); and when vLLM's prefix cache is reset, the feeds follow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn precise_mode_follows_vllms_events_and_predicts_its_cached_tokens() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/smollm2");
+    let events = format!(
+        "kv_events_bind = \"tcp://127.0.0.1:{}\"\nkv_events_replay = \"tcp://127.0.0.1:{}\"",
+        engine.events,
+        engine.events + 100
+    );
+    let (gw, log) = gateway(
+        engine,
+        "precise",
+        &format!("tokenizer = {tokenizer:?}"),
+        CACHE_AWARE,
+        &events,
+    );
+    let c = client();
+    let feeds = || async { get(&c, &format!("{}/kv_events", gw.url)).await.json["feeds"].clone() };
+    // Both feeds listed at once, whether or not vLLM's publishers have connected yet.
+    let listed = feeds().await;
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+    let connected = eventually(Duration::from_secs(30), || async {
+        feeds()
+            .await
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|f| f["connected"] == json!(true))
+    });
+    assert!(connected.await, "{}", feeds().await);
+    let seen = converse(&gw.url, 4, 6).await;
+    eprintln!("cache_aware, precise: {}", summary(&seen));
+    let report = format!("{seen:#?}\n{}", feeds().await);
+    for turns in &seen {
+        assert_eq!(hits(turns), turns.len() - 1, "{report}");
+    }
+    // Both ranks' events were followed, with nothing lost.
+    for feed in feeds().await.as_array().unwrap() {
+        assert_eq!(feed["precise"], json!(true), "{feed}");
+        assert!(feed["router_blocks"].as_u64().unwrap() > 0, "{feed}");
+        for trouble in ["gaps", "decode_errors", "orphans", "overflows", "restarts"] {
+            assert_eq!(feed[trouble], json!(0), "{trouble}: {feed}");
+        }
+    }
+    let predicted = predictions(&log);
+    assert_eq!(predicted.len(), 24, "{predicted:?}");
+    let exact = predicted.iter().filter(|(cached, guess)| cached == guess).count();
+    eprintln!("predicted exactly {exact} of {}: {predicted:?}", predicted.len());
+    assert!(exact * 100 >= predicted.len() * 97, "{predicted:?}\n{report}");
+    let held = |feeds: &Value| -> Vec<u64> {
+        feeds
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["engine_blocks"].as_u64().unwrap())
+            .collect()
+    };
+    // vLLM's cache is reset; each rank publishes the clear with its next step of its own (a rank idling while the
+    // other works publishes nothing), so one short request goes to each.
+    let reply = post(&c, &format!("{}/reset_prefix_cache", engine.url), &[], &json!({})).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    step_each_rank(&gw.url).await;
+    let cleared = eventually(Duration::from_secs(10), || async { held(&feeds().await) == [0, 0] });
+    assert!(cleared.await, "{}", feeds().await);
+    // The first conversation's next turn is cold now, and predicted so.
+    let mut history = vec![json!({"role": "system", "content": system_prompt(0)})];
+    history.push(json!({"role": "user", "content": "Again?"}));
+    let body = json!({"model": "smollm2", "messages": history, "max_tokens": 2});
+    let reply = post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    let last = *predictions(&log).last().unwrap();
+    assert_eq!(last, (0, 0), "{}", feeds().await);
+}
