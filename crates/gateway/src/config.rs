@@ -645,6 +645,18 @@ mod tests {
                 "[[workers]]\nurl = \"http://x:1\"\n[[workers]]\nurl = \"http://X:1/\"",
                 "listed twice",
             ),
+            (
+                "[[workers]]\nurl = \"http://x:1\"\nkv_events = \"tcp://x:5\"\nkv_events_bind = \"tcp://x:5\"",
+                "exclude each other",
+            ),
+            (
+                "[[workers]]\nurl = \"http://x:1\"\nkv_events_replay = \"tcp://x:6\"",
+                "kv_events_replay needs",
+            ),
+            (
+                "[[workers]]\nurl = \"http://x:1\"\nkv_events_bind = \"x:5\"",
+                "kv_events_bind",
+            ),
         ] {
             let err = GatewayConfig::from_toml(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");
