@@ -120,7 +120,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         out.flush()?;
         drop(out);
         let endpoints = state.registry.membership().snapshot.len();
-        tracing::info!(%addr, policy = state.policy.name(), endpoints, "gateway started");
+        tracing::info!(%addr, policy = state.policies.default_policy().name(), endpoints, "gateway started");
         serve(listener, state, shutdown_signal()).await.context("serving")?;
         Ok(ExitCode::SUCCESS)
     })

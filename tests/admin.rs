@@ -86,6 +86,101 @@ fn fake_engine(body: Value) -> String {
     url
 }
 
+/// A web page cannot use the admin routes through its visitor's browser: a `text/plain` POST (a CORS "simple"
+/// request, sent without a preflight) is a 415, a request with a foreign `Origin` a 403 with or without the key,
+/// and without a key a request addressed to a name that is not loopback (DNS rebinding) a 403; the gateway's own
+/// origin, loopback names, and keyed admin through any host name keep working.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_refuse_what_a_web_page_can_send() {
+    let a = Proc::engine(&["--dp-size", "1"]);
+    let open = Proc::gateway(&[&a], &[]);
+    let keyed = Proc::gateway(&[&a], &["--admin-key", "k3y"]);
+    let c = client();
+    let spare = format!("http://127.0.0.1:{}", closed_port());
+    let worker = json!({"url": spare, "backend": "vllm", "dp_size": 1});
+    let bearer = ("authorization", "Bearer k3y");
+    let host = |gw: &Proc| format!("127.0.0.1:{}", common::port_of(&gw.url));
+    for (gw, auth) in [(&open, None), (&keyed, Some(bearer))] {
+        let workers = format!("{}/workers", gw.url);
+        let with_auth = |mut h: Vec<(&'static str, String)>| {
+            if let Some((k, v)) = auth {
+                h.push((k, v.to_string()));
+            }
+            h
+        };
+        let cases: Vec<(Vec<(&str, String)>, StatusCode, &str)> = vec![
+            (
+                vec![("content-type", "text/plain".into())],
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "application/json",
+            ),
+            (
+                vec![
+                    ("content-type", "application/json".into()),
+                    ("origin", "https://evil.example".into()),
+                ],
+                StatusCode::FORBIDDEN,
+                "cross-origin",
+            ),
+            (
+                vec![("content-type", "text/plain".into()), ("origin", "null".into())],
+                StatusCode::FORBIDDEN,
+                "cross-origin",
+            ),
+        ];
+        for (headers, status, needle) in cases {
+            let headers = with_auth(headers);
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let reply = post(&c, &workers, &headers, &worker).await;
+            assert_eq!(reply.status, status, "{headers:?}: {}", reply.text);
+            assert!(
+                reply.json["error"]["message"].as_str().unwrap().contains(needle),
+                "{}",
+                reply.text
+            );
+        }
+        // A GET with a foreign Origin too (a page reading the fleet).
+        let headers = with_auth(vec![("origin", "https://evil.example".into())]);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let reply = call(&c, Method::GET, &workers, &headers, None).await;
+        assert_eq!(reply.status, StatusCode::FORBIDDEN, "{}", reply.text);
+        // Nothing was added.
+        let headers = with_auth(vec![]);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let listed = call(&c, Method::GET, &workers, &headers, None).await;
+        assert_eq!(listed.json["workers"].as_array().unwrap().len(), 1, "{}", listed.text);
+        // The gateway's own origin is fine.
+        let own = format!("http://{}", host(gw));
+        let headers = with_auth(vec![("origin", own)]);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let reply = call(&c, Method::GET, &workers, &headers, None).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    // DNS rebinding: without a key, a request addressed to another name is refused; loopback names are fine.
+    let workers = format!("{}/workers", open.url);
+    for (name, status) in [
+        ("attacker.example:8000", StatusCode::FORBIDDEN),
+        ("localhost", StatusCode::OK),
+        ("LOCALHOST:1", StatusCode::OK),
+        ("127.0.0.2:80", StatusCode::OK),
+        ("[::1]:8000", StatusCode::OK),
+    ] {
+        let reply = call(&c, Method::GET, &workers, &[("host", name)], None).await;
+        assert_eq!(reply.status, status, "{name}: {}", reply.text);
+    }
+    // With a key, any host name works.
+    let workers = format!("{}/workers", keyed.url);
+    let reply = call(
+        &c,
+        Method::GET,
+        &workers,
+        &[("host", "gateway.internal:8000"), bearer],
+        None,
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_key_admin_routes_answer_loopback_clients() {
     let a = Proc::engine(&["--dp-size", "2"]);
@@ -149,6 +244,15 @@ async fn post_workers_validates_its_input() {
         (json!({"url": spare_url, "dp_size": 4_294_967_296u64}), "u32"),
         (json!({"url": "not a url"}), "url"),
         (json!({"url": format!("ftp://127.0.0.1:{spare}")}), "http://host:port"),
+        (
+            json!({"url": format!("http://user:pw@127.0.0.1:{spare}")}),
+            "no user, path or query",
+        ),
+        (json!({"url": format!("{spare_url}/v1")}), "no user, path or query"),
+        (
+            json!({"url": spare_url, "kv_events": "tcp://127.0.0.1:5557"}),
+            "config file only",
+        ),
         (json!({"url": spare_url, "weight": 2}), "weight"),
         (json!([spare_url, "vllm", 1, "routed_dp_rank"]), "JSON object"),
         (json!("http://127.0.0.1:1"), "JSON object"),

@@ -609,6 +609,17 @@ async fn request_ids_round_trip_and_hang_ups_are_counted() {
     };
     let response = send(&c, &url, &[("x-request-id", "client-id-7")], chat(false)).await;
     assert_eq!(response.headers()["x-request-id"], "client-id-7");
+    let response = send(&c, &url, &[("x-request-id", "Trace_1.2:a-b")], chat(false)).await;
+    assert_eq!(response.headers()["x-request-id"], "Trace_1.2:a-b");
+    // An id that could forge the access log's fields (spaces, `=`, quotes) is replaced by a generated one.
+    for forged in ["a status=200", "id\"x", "k=v", "tab\tid"] {
+        let response = send(&c, &url, &[("x-request-id", forged)], chat(false)).await;
+        let id = response.headers()["x-request-id"].to_str().unwrap().to_string();
+        assert!(
+            id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+            "{forged:?} -> {id:?}"
+        );
+    }
     let ids: Vec<String> = futures_util::future::join_all((0..2).map(|_| send(&c, &url, &[], chat(false))))
         .await
         .iter()
@@ -691,6 +702,25 @@ async fn cors_is_opt_in() {
         response.headers()["access-control-allow-origin"],
         "https://app.example.com"
     );
+    // CORS never approves the admin routes, even for an allowed origin, or with `*`.
+    let any = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("e2e-cors-any.toml");
+    std::fs::write(&any, "[server]\ncors_allow_origins = [\"*\"]\n").unwrap();
+    let open = Proc::gateway(&[&engine], &["--config", any.to_str().unwrap()]);
+    for gateway in [&gw, &open] {
+        let response = c
+            .request(preflight(format!("{}/v1/chat/completions", gateway.url)))
+            .await
+            .unwrap();
+        assert!(response.headers().contains_key("access-control-allow-origin"));
+        for admin in ["/workers", "/workers/0", "/flush_cache", "/kv_events"] {
+            let response = c.request(preflight(format!("{}{admin}", gateway.url))).await.unwrap();
+            assert!(
+                !response.headers().contains_key("access-control-allow-origin"),
+                "{admin}: {:?}",
+                response.headers()
+            );
+        }
+    }
 }
 
 /// `[server] access_log = true`: one line per answered request, with what the gateway did and what the engine

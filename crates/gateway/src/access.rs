@@ -104,7 +104,7 @@ impl Request {
         let logged = access_log.then(|| {
             let id = request
                 .headers()
-                .get(crate::server::REQUEST_ID)
+                .get(crate::names::REQUEST_ID)
                 .and_then(|v| v.to_str().ok())
                 .unwrap_or_default();
             (

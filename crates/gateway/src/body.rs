@@ -30,7 +30,7 @@ use tokio::time::Sleep;
 
 use crate::access::Exchange;
 use crate::registry::{Failure, Registry};
-use crate::responses::ResponseHomes;
+use crate::response_homes::ResponseHomes;
 use crate::telemetry;
 
 /// The ticket of a request the gateway routed.

@@ -491,9 +491,14 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
         .url
         .parse()
         .map_err(|_| ConfigError::Invalid(format!("worker url `{}` is not a URL", w.url)))?;
-    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+    let has_user_info = uri.authority().is_some_and(|a| a.as_str().contains('@'));
+    // Slashes alone are no path: `http://h:1/` is `http://h:1`.
+    let has_path = uri
+        .path_and_query()
+        .is_some_and(|p| !p.as_str().trim_start_matches('/').is_empty());
+    if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() || has_user_info || has_path {
         return Err(ConfigError::Invalid(format!(
-            "worker url `{}` must be http://host:port or https://host:port",
+            "worker url `{}` must be http://host:port or https://host:port (no user, path or query)",
             w.url
         )));
     }
@@ -657,6 +662,9 @@ mod tests {
                 "[[workers]]\nurl = \"http://x:1\"\nkv_events_bind = \"x:5\"",
                 "kv_events_bind",
             ),
+            ("[[workers]]\nurl = \"http://user:pw@x:1\"", "no user, path or query"),
+            ("[[workers]]\nurl = \"http://x:1/v1\"", "no user, path or query"),
+            ("[[workers]]\nurl = \"http://x:1/?a=b\"", "no user, path or query"),
         ] {
             let err = GatewayConfig::from_toml(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");

@@ -43,8 +43,9 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::config::worker_url_key;
-use crate::state::AppState;
+use crate::config::{worker_url_key, WorkerConfig};
+use crate::policies::Policies;
+use crate::registry::Registry;
 use crate::telemetry;
 
 /// Engine blocks followed per endpoint at most (about 60 bytes each, plus the events' tokens).
@@ -102,33 +103,43 @@ fn lock(feeds: &Feeds) -> std::sync::MutexGuard<'_, HashMap<EndpointId, FeedStat
     feeds.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Starts the supervisor when a worker has `kv_events` and the policy is `cache_aware`.
-pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Option<JoinHandle<()>> {
-    if !state
-        .config
+/// What the feeds take of the gateway: the workers configured (with their event endpoints), the registry whose
+/// membership says which endpoints exist, the policies to hand the changes to, and where each feed's status goes.
+#[derive(Clone)]
+pub struct FeedParts {
+    pub workers: Vec<WorkerConfig>,
+    pub registry: Arc<Registry>,
+    pub policies: Arc<Policies>,
+    pub feeds: Feeds,
+}
+
+/// Starts the supervisor when a worker has `kv_events` (or `kv_events_bind`) and the policy, `routing`, is
+/// `cache_aware`.
+pub fn spawn(parts: FeedParts, routing: &PolicyConfig, stop: watch::Receiver<bool>) -> Option<JoinHandle<()>> {
+    if !parts
         .workers
         .iter()
         .any(|w| w.kv_events.is_some() || w.kv_events_bind.is_some())
     {
         return None;
     }
-    let PolicyConfig::CacheAware(policy) = &state.config.routing else {
+    let PolicyConfig::CacheAware(policy) = routing else {
         tracing::warn!("kv_events are configured, but only cache_aware uses them: not subscribing");
         return None;
     };
     let block_tokens = policy.block_tokens;
-    Some(tokio::spawn(supervise(state, stop, block_tokens)))
+    Some(tokio::spawn(supervise(Arc::new(parts), stop, block_tokens)))
 }
 
 /// Keeps one feed per endpoint with events, as endpoints come and go: those of the endpoints present now are
 /// started (and listed) before this returns, the rest once a second.
 fn supervise(
-    state: Arc<AppState>,
+    parts: Arc<FeedParts>,
     mut stop: watch::Receiver<bool>,
     block_tokens: usize,
 ) -> impl std::future::Future<Output = ()> {
     let mut feeds: HashMap<EndpointId, JoinHandle<()>> = HashMap::new();
-    reconcile(&state, &mut feeds, block_tokens);
+    reconcile(&parts, &mut feeds, block_tokens);
     async move {
         let mut ticker = tokio::time::interval(RECONNECT);
         loop {
@@ -136,7 +147,7 @@ fn supervise(
                 _ = ticker.tick() => {}
                 _ = stop.changed() => break,
             }
-            reconcile(&state, &mut feeds, block_tokens);
+            reconcile(&parts, &mut feeds, block_tokens);
         }
         for task in feeds.into_values() {
             task.abort();
@@ -146,12 +157,12 @@ fn supervise(
 
 /// Starts a feed (listed at once, not connected) for each present endpoint with events that has none, and stops
 /// those of endpoints gone.
-fn reconcile(state: &Arc<AppState>, feeds: &mut HashMap<EndpointId, JoinHandle<()>>, block_tokens: usize) {
-    let membership = state.registry.membership();
+fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<()>>, block_tokens: usize) {
+    let membership = parts.registry.membership();
     let mut present = Vec::new();
     for target in &membership.targets {
         let key = worker_url_key(&target.base);
-        let Some(worker) = state.config.workers.iter().find(|w| worker_url_key(&w.url) == key) else {
+        let Some(worker) = parts.workers.iter().find(|w| worker_url_key(&w.url) == key) else {
             continue;
         };
         let rank = target.id.dp_rank;
@@ -169,7 +180,7 @@ fn reconcile(state: &Arc<AppState>, feeds: &mut HashMap<EndpointId, JoinHandle<(
         }
         let replay = worker.kv_events_replay.as_ref().and_then(|e| e.for_rank(rank));
         let feed = Feed {
-            state: Arc::clone(state),
+            parts: Arc::clone(parts),
             endpoint: target.id,
             models: target.models.to_vec(),
             publisher,
@@ -185,14 +196,14 @@ fn reconcile(state: &Arc<AppState>, feeds: &mut HashMap<EndpointId, JoinHandle<(
         let keep = present.contains(id);
         if !keep {
             task.abort();
-            lock(&state.kv_feeds).remove(id);
+            lock(&parts.feeds).remove(id);
         }
         keep
     });
 }
 
 struct Feed {
-    state: Arc<AppState>,
+    parts: Arc<FeedParts>,
     endpoint: EndpointId,
     models: Vec<String>,
     publisher: String,
@@ -242,7 +253,7 @@ fn classify(last: Option<(u64, f64)>, seq: u64, ts: f64) -> Verdict {
 
 impl Feed {
     fn status(&self, f: impl FnOnce(&mut FeedStatus)) {
-        let mut feeds = lock(&self.state.kv_feeds);
+        let mut feeds = lock(&self.parts.feeds);
         let status = feeds.entry(self.endpoint).or_insert_with(|| FeedStatus {
             endpoint: self.endpoint.to_string(),
             publisher: self.publisher.clone(),
@@ -268,11 +279,10 @@ impl Feed {
     /// Hands a change to every policy that may route to the endpoint.
     fn deliver(&self, change: &CacheChange) {
         let now = crate::clock::now_us();
-        self.state.policy.engine_cache(self.endpoint, change, now);
+        let policies = &self.parts.policies;
+        policies.default_policy().engine_cache(self.endpoint, change, now);
         for model in &self.models {
-            self.state
-                .policy_for(Some(model))
-                .engine_cache(self.endpoint, change, now);
+            policies.for_model(Some(model)).engine_cache(self.endpoint, change, now);
         }
     }
 

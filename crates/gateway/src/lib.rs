@@ -3,6 +3,24 @@
 //! `core` policy, health checks, load accounting released on every path, and Prometheus metrics.
 //!
 //! Start in-process: `let state = AppState::new(config).await?; serve(listener, state, shutdown).await`.
+//!
+//! The gateway's modules in layers, each importing only from the layers below it (no module imports one that
+//! imports it back, directly or through others), so the crate reads bottom-up:
+//!
+//! 1. Shared names and plain values, importing nothing of the crate: [`crate::names`] (the request-id header, the
+//!    limits of a request head), [`crate::config`], [`crate::error`], [`crate::clock`], [`crate::tls`],
+//!    [`crate::response_homes`].
+//! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
+//!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
+//!    [`crate::telemetry`] (metric names, over the registry).
+//! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
+//!    their own status map), [`crate::access`] (what each answer was).
+//! 4. [`crate::state`]: the parts together, for the handlers.
+//! 5. What serves requests over the state: [`crate::health`], [`crate::body`], [`crate::responses`],
+//!    [`crate::proxy`], [`crate::listener`].
+//! 6. [`crate::server`]: the routes, the admin API and `serve`.
+//!
+//! `layers.rs` holds the test that fails on an import cycle.
 
 pub mod access;
 pub mod body;
@@ -11,9 +29,14 @@ pub mod config;
 pub mod error;
 pub mod health;
 pub mod kv_events;
+#[cfg(test)]
+mod layers;
 pub mod listener;
+pub mod names;
+pub mod policies;
 pub mod proxy;
 pub mod registry;
+pub mod response_homes;
 pub mod responses;
 pub mod server;
 pub mod state;

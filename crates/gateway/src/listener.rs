@@ -232,12 +232,12 @@ async fn serve_stream<S>(
         activity: Arc::clone(&activity),
     };
     let mut builder = http1::Builder::new();
-    // hyper's own limits sit above the gateway's (`server::MAX_HEADERS`, `MAX_HEADER_BYTES`, `MAX_URI_BYTES`), so
+    // hyper's own limits sit above the gateway's (`names::MAX_HEADERS`, `MAX_HEADER_BYTES`, `MAX_URI_BYTES`), so
     // the gateway answers an oversized head with a JSON error; only heads past these get hyper's bare 431.
     builder
         .keep_alive(true)
         .header_read_timeout(None)
-        .max_headers(4 * crate::server::MAX_HEADERS)
+        .max_headers(4 * crate::names::MAX_HEADERS)
         .max_buf_size(256 << 10);
     let mut conn = std::pin::pin!(builder.serve_connection(io, service));
     loop {

@@ -37,7 +37,7 @@ const FORWARDED_HEADERS: [HeaderName; 4] = [
     header::AUTHORIZATION,
     header::ACCEPT,
     header::USER_AGENT,
-    HeaderName::from_static(crate::server::REQUEST_ID),
+    HeaderName::from_static(crate::names::REQUEST_ID),
 ];
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/embeddings`, `/generate`.
@@ -209,7 +209,7 @@ fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) 
 
 /// Counts a routing decision (metrics and `GET /workers`).
 fn count_decision(state: &AppState, branch: Branch) {
-    metrics::counter!(telemetry::DECISIONS, "policy" => state.policy.name(), "branch" => branch.as_str()).increment(1);
+    metrics::counter!(telemetry::DECISIONS, "policy" => state.policies.default_policy().name(), "branch" => branch.as_str()).increment(1);
     state.count_decision(branch);
 }
 
@@ -240,7 +240,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
-    let policy = state.policy_for(known.or(membership.sole_model()));
+    let policy = state.policies.for_model(known.or(membership.sole_model()));
     if let Some(tokenizer) = state
         .tokenizers
         .for_model(served.as_deref().or(membership.sole_model()))

@@ -20,8 +20,18 @@ use tokio::sync::watch;
 use crate::config::{Backend, WorkerConfig};
 use crate::error::ApiError;
 use crate::listener::{self, InFlightLimit};
+use crate::names::{MAX_HEADERS, MAX_HEADER_BYTES, MAX_URI_BYTES, REQUEST_ID};
 use crate::state::AppState;
 use crate::{access, health, proxy, responses, telemetry};
+
+/// The admin routes' paths.
+const ADMIN_PATHS: [&str; 3] = ["/workers", "/flush_cache", "/kv_events"];
+
+fn is_admin_path(path: &str) -> bool {
+    ADMIN_PATHS
+        .iter()
+        .any(|p| path == *p || path.strip_prefix(p).is_some_and(|rest| rest.starts_with('/')))
+}
 
 /// Every route of the gateway.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -71,11 +81,15 @@ pub fn router(state: Arc<AppState>) -> Router {
 /// The CORS layer for `origins` (`None` when empty: CORS off). Preflights are answered by the layer itself.
 fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
     use tower_http::cors::{AllowOrigin, CorsLayer};
-    let allow = match origins {
-        [] => return None,
-        [any] if any == "*" => AllowOrigin::any(),
-        exact => AllowOrigin::list(exact.iter().filter_map(|o| o.parse().ok())),
-    };
+    if origins.is_empty() {
+        return None;
+    }
+    // Never for the admin routes, whatever the origin: their preflights go unapproved.
+    let any = origins.iter().any(|o| o == "*");
+    let exact: Vec<axum::http::HeaderValue> = origins.iter().filter_map(|o| o.parse().ok()).collect();
+    let allow = AllowOrigin::predicate(move |origin, request| {
+        !is_admin_path(request.uri.path()) && (any || exact.contains(origin))
+    });
     Some(
         CorsLayer::new()
             .allow_origin(allow)
@@ -96,18 +110,25 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
     )
 }
 
-/// The request id header: taken from the client when it sends a usable one, generated otherwise; the worker gets
-/// it and the client gets it back, on every answer.
-pub const REQUEST_ID: &str = "x-request-id";
-
 /// The longest client request id kept (longer ones are replaced by a generated one).
 const MAX_REQUEST_ID_BYTES: usize = 200;
+
+/// A client's request id is kept when it is made of `[A-Za-z0-9._:-]` alone (so it cannot forge the access log's
+/// fields: no spaces, `=` or quotes), and replaced by a generated one otherwise.
+fn usable_request_id(id: &axum::http::HeaderValue) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_REQUEST_ID_BYTES
+        && id
+            .as_bytes()
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(b))
+}
 
 async fn request_id(mut request: Request, next: Next) -> Response {
     let given = request
         .headers()
         .get(REQUEST_ID)
-        .filter(|v| !v.is_empty() && v.len() <= MAX_REQUEST_ID_BYTES && v.to_str().is_ok())
+        .filter(|v| usable_request_id(v))
         .cloned();
     let id = given.unwrap_or_else(new_request_id);
     request.headers_mut().insert(REQUEST_ID, id.clone());
@@ -143,7 +164,13 @@ pub async fn serve(
     telemetry::handle();
     let (stop, stopped) = watch::channel(false);
     let mut tasks = health::spawn(Arc::clone(&state), stopped.clone());
-    tasks.extend(crate::kv_events::spawn(Arc::clone(&state), stopped));
+    let feeds = crate::kv_events::FeedParts {
+        workers: state.config.workers.clone(),
+        registry: Arc::clone(&state.registry),
+        policies: Arc::clone(&state.policies),
+        feeds: state.kv_feeds.clone(),
+    };
+    tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped));
     let config = state.config.server.clone();
     let tls = state.tls_acceptor.clone();
     let served = listener::run(listener, router(state), &config, tls, shutdown).await;
@@ -153,13 +180,6 @@ pub async fn serve(
     }
     served
 }
-
-/// The longest request URI the gateway reads (nginx's default header buffer).
-pub const MAX_URI_BYTES: usize = 8 << 10;
-/// At most this many request headers (Envoy's default)...
-pub const MAX_HEADERS: usize = 100;
-/// ...and this many bytes of them (Envoy's `max_request_headers_kb` default).
-pub const MAX_HEADER_BYTES: usize = 60 << 10;
 
 /// Refuses request heads over the gateway's limits with a JSON error, before any handler runs. (hyper's own limits
 /// are set above these, so that the gateway answers first: [`crate::listener`].)
@@ -189,7 +209,8 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
     access::Counted::wrap(response, arrived)
 }
 
-/// Middleware of the admin routes: [`admin_access`] with the connection's peer address.
+/// Middleware of the admin routes: [`admin_from_a_browser`], then [`admin_access`] with the connection's peer
+/// address.
 async fn require_admin_key(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -200,11 +221,13 @@ async fn require_admin_key(
         .extensions()
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
         .map(|info| info.0);
-    let allowed = admin_access(
-        state.config.admin_key.as_deref(),
-        peer,
-        headers.get(header::AUTHORIZATION),
-    );
+    let allowed = admin_from_a_browser(request.method(), &headers, state.config.admin_key.is_some()).and_then(|()| {
+        admin_access(
+            state.config.admin_key.as_deref(),
+            peer,
+            headers.get(header::AUTHORIZATION),
+        )
+    });
     match allowed {
         Ok(()) => next.run(request).await,
         Err(e) => {
@@ -241,6 +264,70 @@ fn admin_access(
                 .into(),
         )),
     }
+}
+
+/// What keeps a web page from using the admin routes through its visitor's browser (cross-site requests, DNS
+/// rebinding), since a page's `fetch()` reaches loopback too:
+/// - a request whose `Origin` is not the gateway's own (the `Host` it was sent to) is refused (403), with or
+///   without a key: browsers send `Origin` on every cross-origin request and on same-origin POSTs;
+/// - a POST must be `Content-Type: application/json` (415 otherwise), which a page can send cross-origin only
+///   after a CORS preflight (as any DELETE), and CORS never approves the admin routes;
+/// - without a key, where access rests on the peer being loopback, the `Host` must be a loopback name or address
+///   (`localhost`, `127.0.0.0/8`, `[::1]`; 403 otherwise): a page whose own name was made to resolve to 127.0.0.1
+///   sends its own name. With a key, any host name works.
+fn admin_from_a_browser(method: &axum::http::Method, headers: &HeaderMap, keyed: bool) -> Result<(), ApiError> {
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let own = origin
+            .to_str()
+            .ok()
+            .and_then(|o| o.split_once("://"))
+            .is_some_and(|(_, authority)| host.is_some_and(|h| h.eq_ignore_ascii_case(authority)));
+        if !own {
+            return Err(ApiError::Forbidden(
+                "admin routes refuse cross-origin requests (the Origin header names another site)".into(),
+            ));
+        }
+    }
+    if *method == axum::http::Method::POST {
+        let json = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"));
+        if !json {
+            return Err(ApiError::UnsupportedMediaType(
+                "admin routes that change the fleet take Content-Type: application/json only".into(),
+            ));
+        }
+    }
+    if !keyed && host.is_some_and(|h| !loopback_host(h)) {
+        return Err(ApiError::Forbidden(
+            "without an admin key, admin routes answer only requests addressed to a loopback name or address \
+             (localhost, 127.0.0.1, [::1]): set admin_key to use another host name"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether a `Host` header names the loopback interface: `localhost` or a loopback address, with or without a port.
+fn loopback_host(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        // `[::1]:8000`
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(name, port)| {
+            if port.bytes().all(|b| b.is_ascii_digit()) {
+                name
+            } else {
+                host
+            }
+        }),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.to_canonical().is_loopback())
 }
 
 /// Compares two keys in time independent of where they differ, and of their lengths: equal-length BLAKE2b digests
@@ -391,7 +478,7 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
         })
         .collect();
     Json(
-        json!({"policy": state.policy.name(), "decisions": state.decisions_by_branch(), "panic": membership.panic,
+        json!({"policy": state.policies.default_policy().name(), "decisions": state.decisions_by_branch(), "panic": membership.panic,
                 "workers": workers, "pending": state.pending_workers()}),
     )
 }
@@ -411,6 +498,11 @@ async fn add_worker(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
         ));
     }
     let worker: WorkerConfig = serde_json::from_value(value).map_err(|e| invalid(&e))?;
+    if worker.kv_events.is_some() || worker.kv_events_bind.is_some() || worker.kv_events_replay.is_some() {
+        return Err(invalid(
+            &"KV events are followed for the workers of the config file only: add this worker there to use them",
+        ));
+    }
     let key = worker_url_key(&worker.url);
     if state.pending_workers().iter().any(|url| worker_url_key(url) == key) {
         return Err(ApiError::Conflict(format!(
@@ -495,6 +587,30 @@ mod tests {
 
     fn status(result: Result<(), ApiError>) -> u16 {
         result.map_or_else(|e| e.status().as_u16(), |()| 200)
+    }
+
+    #[test]
+    fn loopback_hosts_are_told_from_other_names() {
+        for host in [
+            "localhost",
+            "LocalHost:8000",
+            "127.0.0.1",
+            "127.1.2.3:80",
+            "[::1]",
+            "[::1]:8000",
+        ] {
+            assert!(loopback_host(host), "{host}");
+        }
+        for host in [
+            "example.com",
+            "localhost.example.com",
+            "10.0.0.1:8000",
+            "[::2]:1",
+            "127.0.0.1.nip.io",
+            "",
+        ] {
+            assert!(!loopback_host(host), "{host}");
+        }
     }
 
     #[test]

@@ -5,21 +5,18 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dprouter_core::{Branch, Policy, WorkerId};
+use dprouter_core::{Branch, WorkerId};
 
 use crate::config::{worker_url_key, GatewayConfig, WorkerConfig};
+use crate::policies::Policies;
 use crate::registry::Registry;
 use crate::upstream::Upstream;
 
 pub struct AppState {
     pub config: GatewayConfig,
     pub registry: Arc<Registry>,
-    /// The policy of requests that name no model (or of a fleet whose models are unknown).
-    pub policy: Arc<dyn Policy>,
-    /// One policy per model served, built on first use: what a prompt did on one model says nothing of another.
-    /// Read without a lock; a new model's policy is added under `adding_policy` and swapped in.
-    policies: arc_swap::ArcSwap<std::collections::HashMap<String, Arc<dyn Policy>>>,
-    adding_policy: Mutex<()>,
+    /// The routing policies: the default one, and one per model served.
+    pub policies: Arc<Policies>,
     pub upstream: Upstream,
     /// TLS on the listener, when the config has a certificate.
     pub tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
@@ -28,7 +25,7 @@ pub struct AppState {
     /// Each KV event feed's status (precise mode).
     pub kv_feeds: crate::kv_events::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
-    pub responses: Arc<crate::responses::ResponseHomes>,
+    pub responses: Arc<crate::response_homes::ResponseHomes>,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
@@ -57,9 +54,7 @@ impl AppState {
         config.validate()?;
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
-            policy: Arc::from(config.routing.build()),
-            policies: Default::default(),
-            adding_policy: Mutex::new(()),
+            policies: Arc::new(Policies::new(&config.routing)),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
@@ -74,7 +69,9 @@ impl AppState {
             kv_feeds: Default::default(),
             tokenizers: crate::tokens::Tokenizers::load(&config)
                 .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?,
-            responses: Arc::new(crate::responses::ResponseHomes::new(crate::responses::REMEMBERED)),
+            responses: Arc::new(crate::response_homes::ResponseHomes::new(
+                crate::response_homes::REMEMBERED,
+            )),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
             adding: Mutex::new(()),
@@ -149,26 +146,6 @@ impl AppState {
             }),
             None => Ok(()),
         }
-    }
-
-    /// The policy for requests of `model` (the served name, after aliases): its own, or the default one for no
-    /// model.
-    pub fn policy_for(&self, model: Option<&str>) -> Arc<dyn Policy> {
-        let Some(model) = model else {
-            return Arc::clone(&self.policy);
-        };
-        if let Some(policy) = self.policies.load().get(model) {
-            return Arc::clone(policy);
-        }
-        let _adding = self.adding_policy.lock().unwrap_or_else(|e| e.into_inner());
-        let mut policies = self.policies.load().as_ref().clone();
-        let policy = Arc::clone(
-            policies
-                .entry(model.to_string())
-                .or_insert_with(|| Arc::from(self.config.routing.build())),
-        );
-        self.policies.store(Arc::new(policies));
-        policy
     }
 
     pub fn count_decision(&self, branch: Branch) {
