@@ -108,7 +108,8 @@ async fn admin_routes_refuse_what_a_web_page_can_send() {
             }
             h
         };
-        let cases: Vec<(Vec<(&str, String)>, StatusCode, &str)> = vec![
+        type Headers = Vec<(&'static str, String)>;
+        let cases: Vec<(Headers, StatusCode, &str)> = vec![
             (
                 vec![("content-type", "text/plain".into())],
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
