@@ -263,6 +263,35 @@ async fn an_engine_that_never_answers_gets_a_504_after_the_first_byte_timeout() 
     assert_eq!(in_flight(&c, &gw.url).await, 0);
 }
 
+/// A client that pins a rank and gets the engine's failures there (here a rank that answers 503 to everything)
+/// cannot eject that rank, however often it tries, while the other rank serves: a request's own fault never
+/// counts against an endpoint. The same failures on requests the gateway placed do eject it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failures_of_requests_pinned_to_a_rank_never_eject_it() {
+    let engine = Proc::engine(&["--dp-size", "2", "--dead-rank", "1"]);
+    let gw = gateway(&engine.url, None, &["--policy", "round_robin"]);
+    let c = client();
+    for i in 0..32 {
+        let mut body = generate(&format!("pinned {i}"), false);
+        body["routed_dp_rank"] = json!(i % 2);
+        let reply = post(&c, &format!("{}/generate", gw.url), &[], &body).await;
+        let expected = [StatusCode::OK, StatusCode::SERVICE_UNAVAILABLE][i % 2];
+        assert_eq!(reply.status, expected, "{}", reply.text);
+    }
+    assert_eq!(health(&c, &gw.url).await, vec![true, true]);
+    for i in 0..8 {
+        post(
+            &c,
+            &format!("{}/generate", gw.url),
+            &[],
+            &generate(&format!("placed {i}"), false),
+        )
+        .await;
+    }
+    assert_eq!(health(&c, &gw.url).await, vec![true, false]);
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
+}
+
 /// A rank that is dead for good (every request to it gets the engine's 503) is re-admitted after each ejection
 /// for one request only, and after twice as long each time: over 4 s of steady traffic it costs a handful of
 /// errors, where a fixed re-admission period would cost `threshold` errors every period.

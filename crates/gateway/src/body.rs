@@ -151,8 +151,11 @@ impl<B> GuardedBody<B> {
         err: BoxError,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => self.label.clone(), "kind" => kind).increment(1);
-        self.registry
-            .record_failure(self.endpoint, Failure::Engine, Instant::now());
+        let failure = self
+            .ticket
+            .as_ref()
+            .map_or(Failure::Engine, |t| Failure::engine(t.pick.branch));
+        self.registry.record_failure(self.endpoint, failure, Instant::now());
         self.done = true;
         self.ticket = None;
         let code = if kind == "timeout" { 504 } else { 502 };

@@ -281,7 +281,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
             tracing::warn!(endpoint = %label, "no response head within {first_byte_timeout:?}");
             state
                 .registry
-                .record_failure(target.id, Failure::Engine, Instant::now());
+                .record_failure(target.id, Failure::engine(ticket.pick.branch), Instant::now());
             return Err(ApiError::UpstreamTimeout {
                 endpoint: label,
                 after_ms: first_byte_timeout.as_millis() as u64,
@@ -295,7 +295,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                         .increment(1);
                     state
                         .registry
-                        .record_failure(target.id, Failure::Engine, Instant::now());
+                        .record_failure(target.id, Failure::engine(ticket.pick.branch), Instant::now());
                 } else if status.is_success() {
                     target.state.record_success();
                 }

@@ -233,6 +233,19 @@ pub enum Failure {
     Ambiguous,
 }
 
+impl Failure {
+    /// How an engine's failure to answer a request routed by `branch` (5xx, nothing in time, a broken stream)
+    /// counts: against the endpoint ([`Failure::Engine`]), unless the client pinned the rank
+    /// ([`dprouter_core::Branch::Override`]), when it may be the request's own fault (a body that makes the engine fail, sent to
+    /// one rank again and again) and only asks for a probe ([`Failure::Ambiguous`]).
+    pub fn engine(branch: dprouter_core::Branch) -> Self {
+        match branch {
+            dprouter_core::Branch::Override => Failure::Ambiguous,
+            _ => Failure::Engine,
+        }
+    }
+}
+
 pub struct Registry {
     workers: Mutex<Vec<Arc<WorkerState>>>,
     next_worker: AtomicU32,
