@@ -90,9 +90,15 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         Some(v) => v
             .as_f64()
             .or_else(|| v.as_i64().map(|t| t as f64))
+            .or_else(|| v.as_u64().map(|t| t as f64))
             .ok_or_else(|| shape("batch `ts` is not a number"))?,
         None => return Err(shape("batch without `ts`")),
     };
+    // A batch's time orders it against the last one applied: NaN or an infinity would make every later batch
+    // look older (or none newer).
+    if !ts.is_finite() {
+        return Err(shape("batch `ts` is not a finite number"));
+    }
     let events = match fields.get(1) {
         Some(Value::Array(events)) => events.iter().map(decode_event).collect::<Result<_, _>>()?,
         _ => return Err(shape("batch `events` is not an array")),
@@ -315,6 +321,24 @@ mod tests {
 
     fn ints(items: &[u64]) -> Value {
         Value::Array(items.iter().map(|&i| Value::from(i)).collect())
+    }
+
+    #[test]
+    fn a_time_that_is_not_finite_is_an_error() {
+        for ts in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            let payload = rmp_batch(Value::F64(ts));
+            let err = decode_batch(&payload).unwrap_err();
+            assert!(err.to_string().contains("finite"), "{ts}: {err}");
+        }
+        assert_eq!(decode_batch(&rmp_batch(Value::F64(1.5))).unwrap().ts, 1.5);
+        assert_eq!(decode_batch(&rmp_batch(Value::from(u64::MAX))).unwrap().ts, u64::MAX as f64);
+    }
+
+    /// A positional batch of no events at time `ts`.
+    fn rmp_batch(ts: Value) -> Vec<u8> {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &Value::Array(vec![ts, Value::Array(Vec::new())])).unwrap();
+        out
     }
 
     #[test]
