@@ -877,6 +877,36 @@ async fn requests_go_to_the_workers_serving_their_model() {
         "{}",
         unknown.text
     );
+    // A pinned rank gets the same check: alpha's request pinned to beta's worker (global rank 1) is refused,
+    // pinned to the worker serving both it goes there, and a model that is not a string is a 400.
+    let mut pinned = chat("alpha", "q");
+    pinned["routed_dp_rank"] = json!(1);
+    let refused = post(&c, &url, &[], &pinned).await;
+    assert_eq!(refused.status, StatusCode::BAD_REQUEST, "{}", refused.text);
+    assert!(refused.text.contains("alpha"), "{}", refused.text);
+    pinned["routed_dp_rank"] = json!(2);
+    let taken = post(&c, &url, &[], &pinned).await;
+    assert_eq!(
+        (taken.status, taken.endpoint.as_deref()),
+        (StatusCode::OK, Some("w2r0")),
+        "{}",
+        taken.text
+    );
+    let numeric = post(
+        &c,
+        &url,
+        &[],
+        &chat("alpha", "q")
+            .as_object()
+            .map(|o| {
+                let mut o = o.clone();
+                o.insert("model".into(), json!(5));
+                Value::Object(o)
+            })
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(numeric.status, StatusCode::BAD_REQUEST, "{}", numeric.text);
     let models = get(&c, &format!("{}/v1/models", gw.url)).await.json;
     let ids: Vec<&str> = models["data"]
         .as_array()

@@ -331,7 +331,10 @@ mod tests {
             assert!(err.to_string().contains("finite"), "{ts}: {err}");
         }
         assert_eq!(decode_batch(&rmp_batch(Value::F64(1.5))).unwrap().ts, 1.5);
-        assert_eq!(decode_batch(&rmp_batch(Value::from(u64::MAX))).unwrap().ts, u64::MAX as f64);
+        assert_eq!(
+            decode_batch(&rmp_batch(Value::from(u64::MAX))).unwrap().ts,
+            u64::MAX as f64
+        );
     }
 
     /// A positional batch of no events at time `ts`.

@@ -188,13 +188,17 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
             expected: "a non-negative integer",
         })?);
     }
-    // As the engine reads it (the last one, if repeated); anything but a string is left to the engine to refuse.
-    let model = members
-        .iter()
-        .rev()
-        .find(|m| m.key == "model")
-        .and_then(Member::raw)
-        .and_then(|v| serde_json::from_str::<String>(v.get()).ok());
+    // As the engine reads it (the last one, if repeated). A model that is not a string is refused here: the
+    // gateway chooses the workers by it.
+    let model = match members.iter().rev().find(|m| m.key == "model").and_then(Member::raw) {
+        Some(v) if v.get() != "null" => {
+            Some(serde_json::from_str::<String>(v.get()).map_err(|_| PromptError::Field {
+                field: "model",
+                expected: "a string",
+            })?)
+        }
+        _ => None,
+    };
     let previous_response_id = field("previous_response_id")?.and_then(|v| serde_json::from_str(v.get()).ok());
     Ok(RequestBody {
         route,
@@ -421,18 +425,26 @@ mod tests {
     }
 
     #[test]
+    fn a_model_that_is_not_a_string_is_an_error() {
+        for body in [r#"{"model": 5, "prompt": "x"}"#, r#"{"model": ["m"], "prompt": "x"}"#] {
+            let err = parse_body(body.as_bytes(), true).unwrap_err();
+            assert!(err.to_string().contains("model"), "{body}: {err}");
+        }
+        assert_eq!(
+            parse_body(br#"{"model": null, "prompt": "x"}"#, true).unwrap().model,
+            None
+        );
+    }
+
+    #[test]
     fn a_prompt_cache_key_is_the_session_hint_and_the_model_is_read() {
         let body = parse_body(br#"{"prompt": "x", "prompt_cache_key": "user-7", "model": "m"}"#, true).unwrap();
         assert_eq!(body.route.session, Some(crate::request::session_hash("user-7")));
         assert_eq!(body.model.as_deref(), Some("m"));
         let next = parse_body(br#"{"input": "more", "previous_response_id": "resp_1"}"#, true).unwrap();
         assert_eq!(next.previous_response_id.as_deref(), Some("resp_1"));
-        let odd = parse_body(br#"{"prompt": "x", "prompt_cache_key": 7, "model": 1}"#, true).unwrap();
-        assert_eq!(
-            (odd.route.session, odd.model),
-            (None, None),
-            "hints that are not strings are ignored"
-        );
+        let odd = parse_body(br#"{"prompt": "x", "prompt_cache_key": 7}"#, true).unwrap();
+        assert_eq!(odd.route.session, None, "a hint that is not a string is ignored");
     }
 
     #[test]

@@ -237,6 +237,20 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         _ => None,
     };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
+    // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
+    if let (Some(model), Some(rank)) = (
+        served.as_deref(),
+        route
+            .rank_override
+            .and_then(|r| usize::try_from(r).ok())
+            .filter(|&r| r < membership.targets.len()),
+    ) {
+        if !serving(rank) {
+            return Err(ApiError::BadRequest(format!(
+                "DP rank {rank} does not serve model `{model}`"
+            )));
+        }
+    }
     // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
