@@ -287,10 +287,13 @@ async fn a_worker_that_cannot_tell_its_ranks_is_a_502_that_reveals_nothing() {
     let workers = format!("{}/workers", gw.url);
     let claims_billions = fake_engine(json!({"dp_size": 4_294_967_295u64, "max_total_num_tokens": 1000}));
     let no_dp_size = fake_engine(json!({"version": "0"}));
+    // A usable answer, but of 2 MiB: the gateway reads at most 1 MiB of an engine's small answers.
+    let huge = fake_engine(json!({"dp_size": 1, "padding": "x".repeat(2 << 20)}));
     let cases = [
         format!("http://127.0.0.1:{}", closed_port()),
         claims_billions.clone(),
         no_dp_size,
+        huge,
     ];
     let mut messages = Vec::new();
     for url in &cases {
@@ -306,6 +309,7 @@ async fn a_worker_that_cannot_tell_its_ranks_is_a_502_that_reveals_nothing() {
             "4294967295",
             "JSON",
             "os error",
+            "bytes",
         ] {
             assert!(!message.contains(leak), "{url}: `{leak}` in {message}");
         }

@@ -66,15 +66,15 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         .body(crate::upstream::Chunks::default())
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))?;
     let timeout = Duration::from_millis(state.config.first_byte_timeout_ms);
-    let (status, headers, bytes) =
-        state
-            .upstream
-            .exchange(upstream, timeout)
-            .await
-            .map_err(|message| ApiError::Upstream {
-                endpoint: target.label(),
-                message,
-            })?;
+    let (status, headers, bytes) = state
+        .upstream
+        // A stored response is at most what a client may send the gateway in one body.
+        .exchange(upstream, timeout, state.config.max_body_bytes)
+        .await
+        .map_err(|message| ApiError::Upstream {
+            endpoint: target.label(),
+            message,
+        })?;
     let mut out = (status, bytes).into_response();
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());

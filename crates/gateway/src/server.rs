@@ -411,7 +411,11 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resul
         let request = request
             .body(crate::upstream::Chunks::default())
             .map_err(|e| ApiError::Unavailable(e.to_string()))?;
-        match state.upstream.exchange(request, MODELS_TIMEOUT).await {
+        match state
+            .upstream
+            .exchange(request, MODELS_TIMEOUT, crate::upstream::SMALL_ANSWER_BYTES)
+            .await
+        {
             Ok((status, upstream_headers, bytes)) => {
                 let mut out = Response::new(axum::body::Body::from(bytes));
                 *out.status_mut() = status;

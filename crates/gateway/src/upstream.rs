@@ -23,6 +23,11 @@ use crate::config::{Backend, WorkerConfig, MAX_DP_SIZE};
 
 pub type UpstreamError = hyper_util::client::legacy::Error;
 
+/// The most the gateway reads of an engine's answer that it reads itself and that is small by nature (`/health`,
+/// `/get_server_info`, `/get_load`, `/v1/models`, `/flush_cache`): an engine streaming gigabytes there must not
+/// make the gateway hold them.
+pub const SMALL_ANSWER_BYTES: usize = 1 << 20;
+
 /// A pooled HTTP/1 client.
 #[derive(Clone)]
 pub struct Upstream {
@@ -55,28 +60,35 @@ impl Upstream {
         self.client.request(request).await
     }
 
-    /// A request with no body and a deadline; returns the status and the whole body.
+    /// A request with no body and a deadline; returns the status and the whole body, of at most
+    /// [`SMALL_ANSWER_BYTES`].
     async fn simple(&self, method: Method, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), String> {
         let request = Request::builder()
             .method(method)
             .uri(url)
             .body(Chunks::default())
             .map_err(|e| format!("bad URL {url}: {e}"))?;
-        let (status, _, body) = self.exchange(request, timeout).await?;
+        let (status, _, body) = self.exchange(request, timeout, SMALL_ANSWER_BYTES).await?;
         Ok((status, body))
     }
 
-    /// Sends `request` and reads the whole answer, all within `timeout`: status, headers and body.
+    /// Sends `request` and reads the whole answer, all within `timeout`: status, headers and body, which must not
+    /// exceed `max_bytes` (it is read up to there, and no further, before it is an error).
     pub async fn exchange(
         &self,
         request: Request<Chunks>,
         timeout: Duration,
+        max_bytes: usize,
     ) -> Result<(StatusCode, hyper::HeaderMap, Bytes), String> {
         let url = request.uri().to_string();
         let exchange = async {
             let response = self.client.request(request).await.map_err(|e| error_chain(&e))?;
             let (parts, body) = response.into_parts();
-            let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+            let body = http_body_util::Limited::new(body, max_bytes)
+                .collect()
+                .await
+                .map_err(|e| format!("{url}: {e} (at most {max_bytes} bytes are read)"))?
+                .to_bytes();
             Ok((parts.status, parts.headers, body))
         };
         tokio::time::timeout(timeout, exchange)
@@ -84,7 +96,7 @@ impl Upstream {
             .map_err(|_| format!("{url}: no answer within {timeout:?}"))?
     }
 
-    /// `GET url/health` answered 200 within the timeout.
+    /// `GET url/health` answered 200 within the timeout (with a body of at most [`SMALL_ANSWER_BYTES`]).
     pub async fn probe(&self, base: &str, timeout: Duration) -> bool {
         matches!(
             self.simple(Method::GET, &format!("{base}/health"), timeout).await,
