@@ -87,8 +87,22 @@ async fn an_https_worker_is_served_and_checked() {
         Some(true)
     );
 
-    // Without the authority, the certificate is not trusted: no request reaches the worker.
-    let doubting = Proc::gateway(&[&tls], &["--backend", "openai"]);
+    // Without the authority, the certificate is not trusted: no request reaches the worker, and the log says why.
+    let log = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tls-doubting.log");
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_dprouter"));
+    command
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "openai",
+            "--worker",
+            &tls.url,
+        ])
+        .env("RUST_LOG", "warn")
+        .stderr(std::fs::File::create(&log).unwrap());
+    let doubting = Proc::spawn(command);
     let refused = post(&c, &format!("{}/v1/chat/completions", doubting.url), &[], &chat).await;
     // A 502 from the failed handshake, or a 503 once a probe's handshake has failed too.
     assert!(
@@ -101,6 +115,13 @@ async fn an_https_worker_is_served_and_checked() {
         get(&c, &workers).await.json["workers"][0]["healthy"] == json!(false)
     });
     assert!(down.await, "the probes' handshakes fail");
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged
+            .lines()
+            .any(|l| l.contains("WARN") && l.contains("health probe failed") && l.contains("certificate")),
+        "{logged}"
+    );
 }
 
 #[test]

@@ -55,6 +55,9 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
     let timeout = Duration::from_millis(health.timeout_ms);
     let mut ticker = tokio::time::interval(Duration::from_millis(health.interval_ms));
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Each worker's last probe result: a probe that fails after one that did not (or first) is logged at `warn`
+    // with its reason (a refused connection, a TLS certificate the gateway does not trust, a status), once.
+    let mut last_ok: std::collections::HashMap<dprouter_core::WorkerId, bool> = Default::default();
     loop {
         tokio::select! {
             _ = ticker.tick() => {}
@@ -66,8 +69,19 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
         }
         let workers = state.registry.workers();
         let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
-        for (w, ok) in workers.iter().zip(results) {
-            state.registry.record_probe(w.id, ok);
+        last_ok.retain(|id, _| workers.iter().any(|w| w.id == *id));
+        for (w, result) in workers.iter().zip(results) {
+            let was_ok = last_ok.insert(w.id, result.is_ok());
+            match &result {
+                Err(reason) if was_ok != Some(false) => {
+                    tracing::warn!(worker = w.id.0, url = %w.url, error = %reason, "health probe failed")
+                }
+                Ok(()) if was_ok == Some(false) => {
+                    tracing::info!(worker = w.id.0, url = %w.url, "health probe answered again")
+                }
+                _ => {}
+            }
+            state.registry.record_probe(w.id, result.is_ok());
         }
     }
 }

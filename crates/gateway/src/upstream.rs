@@ -96,12 +96,13 @@ impl Upstream {
             .map_err(|_| format!("{url}: no answer within {timeout:?}"))?
     }
 
-    /// `GET url/health` answered 200 within the timeout (with a body of at most [`SMALL_ANSWER_BYTES`]).
-    pub async fn probe(&self, base: &str, timeout: Duration) -> bool {
-        matches!(
-            self.simple(Method::GET, &format!("{base}/health"), timeout).await,
-            Ok((StatusCode::OK, _))
-        )
+    /// `GET url/health` answered 200 within the timeout (with a body of at most [`SMALL_ANSWER_BYTES`]); otherwise
+    /// why not (a refused connection, a failed TLS handshake and its reason, a status, a timeout).
+    pub async fn probe(&self, base: &str, timeout: Duration) -> Result<(), String> {
+        match self.simple(Method::GET, &format!("{base}/health"), timeout).await? {
+            (StatusCode::OK, _) => Ok(()),
+            (status, _) => Err(format!("{base}/health: status {status}")),
+        }
     }
 
     pub async fn get_json(&self, url: &str, timeout: Duration) -> Result<Value, String> {
