@@ -63,6 +63,9 @@ pub struct MockEngineArgs {
     /// Fault: /health answers 503.
     #[arg(long)]
     unhealthy: bool,
+    /// Fault: /health answers after this many milliseconds (real time).
+    #[arg(long, default_value_t = 0)]
+    health_delay_ms: u64,
     /// Publish each rank's KV cache events on ZMQ, as vLLM and SGLang do: rank r on this endpoint's port + r
     /// (tcp://127.0.0.1:0: a free port each; /get_server_info lists them).
     #[arg(long, value_name = "tcp://HOST:PORT")]
@@ -116,6 +119,7 @@ impl MockEngineArgs {
                 first_byte_delay: Duration::from_millis(self.first_byte_delay_ms),
                 dead_ranks: self.dead_ranks.clone(),
                 unhealthy: self.unhealthy,
+                health_delay: Duration::from_millis(self.health_delay_ms),
             },
             seed: self.seed,
             kv_events: self.kv_events.is_some(),

@@ -292,6 +292,33 @@ async fn failures_of_requests_pinned_to_a_rank_never_eject_it() {
     assert_eq!(in_flight(&c, &gw.url).await, 0);
 }
 
+/// A worker whose `/health` answers slower than the probe's timeout (busy with a burst) while it serves requests
+/// stays up: every request of a steady stream is answered. Once no request is answered within a probe interval,
+/// the slow probes count again and mark it down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_health_check_does_not_take_down_a_worker_that_is_serving() {
+    let engine = Proc::engine(&["--dp-size", "2", "--health-delay-ms", "400"]);
+    let config = config_file(
+        "slow-health",
+        "[health]\ninterval_ms = 300\ntimeout_ms = 150\nfailure_threshold = 2\n",
+    );
+    let gw = gateway(&engine.url, Some(&config), &[]);
+    let c = client();
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut statuses = Vec::new();
+    while Instant::now() < until {
+        let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate("busy", false)).await;
+        statuses.push(reply.status);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(statuses.iter().all(|s| *s == StatusCode::OK), "{statuses:?}");
+    assert_eq!(health(&c, &gw.url).await, vec![true, true]);
+    let down = common::eventually(Duration::from_secs(5), || async {
+        health(&c, &gw.url).await == vec![false, false]
+    });
+    assert!(down.await, "idle, its slow probes count");
+}
+
 /// A rank that is dead for good (every request to it gets the engine's 503) is re-admitted after each ejection
 /// for one request only, and after twice as long each time: over 4 s of steady traffic it costs a handful of
 /// errors, where a fixed re-admission period would cost `threshold` errors every period.

@@ -13,6 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::Backend;
 use crate::state::AppState;
+use crate::upstream::ProbeError;
 
 /// Starts the background tasks; they stop when `stop` turns true.
 pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
@@ -70,7 +71,14 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
         let workers = state.registry.workers();
         let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
         last_ok.retain(|id, _| workers.iter().any(|w| w.id == *id));
+        let now_us = crate::clock::now_us();
         for (w, result) in workers.iter().zip(results) {
+            // A slow /health of a worker that is answering requests counts neither way.
+            let serving = matches!(result, Err(ProbeError::Slow(_))) && state.registry.record_slow_probe(w.id, now_us);
+            if serving {
+                tracing::debug!(worker = w.id.0, url = %w.url, "slow health probe of a worker that is serving");
+                continue;
+            }
             let was_ok = last_ok.insert(w.id, result.is_ok());
             match &result {
                 Err(reason) if was_ok != Some(false) => {
@@ -81,7 +89,9 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
                 }
                 _ => {}
             }
-            state.registry.record_probe(w.id, result.is_ok());
+            if !matches!(result, Err(ProbeError::Slow(_))) {
+                state.registry.record_probe(w.id, result.is_ok());
+            }
         }
     }
 }

@@ -24,7 +24,7 @@
 //! Every change rebuilds the [`Membership`] (O(endpoints)) and swaps it atomically; routing reads it without locks.
 //! Time is passed in (`now`), so tests drive it.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -146,6 +146,8 @@ pub struct EndpointState {
     outlier: Mutex<Outlier>,
     /// No failure in its recent record: a success changes nothing and takes no lock.
     clean: AtomicBool,
+    /// When it last answered a request successfully ([`crate::clock::now_us`]; 0: never).
+    last_answer_us: AtomicU64,
 }
 
 impl EndpointState {
@@ -155,6 +157,7 @@ impl EndpointState {
             load: Arc::new(EndpointLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             clean: AtomicBool::new(true),
+            last_answer_us: AtomicU64::new(0),
         }
     }
 
@@ -166,6 +169,7 @@ impl EndpointState {
 
     /// A successful answer: the endpoint's run of failures ends and its recent failure rate decays.
     pub fn record_success(&self) {
+        self.last_answer_us.store(crate::clock::now_us().max(1), Relaxed);
         if self.clean.load(Relaxed) {
             return;
         }
@@ -367,6 +371,24 @@ impl Registry {
         if changed {
             self.rebuild(&workers);
         }
+    }
+
+    /// A health probe of `worker` that got no answer within its timeout, at `now_us` ([`crate::clock::now_us`]):
+    /// when one of the worker's endpoints answered a request within the last probe interval, the worker is serving
+    /// and its `/health` merely slow (a burst keeps it busy), so the probe counts neither way and `true` is
+    /// returned; otherwise it is a failed probe.
+    pub fn record_slow_probe(&self, worker: WorkerId, now_us: u64) -> bool {
+        let window_us = self.health.interval_ms.saturating_mul(1000);
+        let serving = self.lock().iter().find(|w| w.id == worker).is_some_and(|w| {
+            w.endpoints.iter().any(|e| {
+                let at = e.last_answer_us.load(Relaxed);
+                at > 0 && now_us.saturating_sub(at) <= window_us
+            })
+        });
+        if !serving {
+            self.record_probe(worker, false);
+        }
+        serving
     }
 
     /// Records a failed request to `endpoint` at `now` (passive health).
@@ -586,6 +608,35 @@ mod tests {
         for _ in 0..times {
             r.record_failure(e, Failure::Engine, now);
         }
+    }
+
+    #[test]
+    fn a_slow_probe_of_a_serving_worker_counts_neither_way() {
+        let r = Registry::new(HealthConfig {
+            interval_ms: 1000,
+            ..HealthConfig::default()
+        });
+        let w = r.add_worker(&worker("http://a:1"), info(1));
+        let now = crate::clock::now_us() + 10_000_000;
+        // Never answered a request: a slow probe is a failed one.
+        for _ in 0..HealthConfig::default().failure_threshold {
+            assert!(!r.record_slow_probe(w, now));
+        }
+        assert!(!r.workers()[0].active_healthy());
+        r.record_probe(w, true);
+        r.record_probe(w, true);
+        assert!(r.workers()[0].active_healthy());
+        // It answers a request; slow probes within the interval after that leave it up, later ones do not.
+        r.record_success(ep(w, 0));
+        let answered = r.workers()[0].endpoints[0].last_answer_us.load(Relaxed);
+        for _ in 0..5 {
+            assert!(r.record_slow_probe(w, answered + 900_000));
+        }
+        assert!(r.workers()[0].active_healthy());
+        for _ in 0..HealthConfig::default().failure_threshold {
+            assert!(!r.record_slow_probe(w, answered + 1_100_000));
+        }
+        assert!(!r.workers()[0].active_healthy());
     }
 
     #[test]

@@ -23,6 +23,17 @@ use crate::config::{Backend, WorkerConfig, MAX_DP_SIZE};
 
 pub type UpstreamError = hyper_util::client::legacy::Error;
 
+/// Why a health probe did not pass.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProbeError {
+    /// No answer within the probe's timeout.
+    #[error("{0}")]
+    Slow(String),
+    /// Anything else: a refused connection, a TLS handshake that failed, a status other than 200, a bad answer.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// The most the gateway reads of an engine's answer that it reads itself and that is small by nature (`/health`,
 /// `/get_server_info`, `/get_load`, `/v1/models`, `/flush_cache`): an engine streaming gigabytes there must not
 /// make the gateway hold them.
@@ -97,11 +108,16 @@ impl Upstream {
     }
 
     /// `GET url/health` answered 200 within the timeout (with a body of at most [`SMALL_ANSWER_BYTES`]); otherwise
-    /// why not (a refused connection, a failed TLS handshake and its reason, a status, a timeout).
-    pub async fn probe(&self, base: &str, timeout: Duration) -> Result<(), String> {
-        match self.simple(Method::GET, &format!("{base}/health"), timeout).await? {
-            (StatusCode::OK, _) => Ok(()),
-            (status, _) => Err(format!("{base}/health: status {status}")),
+    /// why not (a refused connection, a failed TLS handshake and its reason, a status), or that it was slow.
+    pub async fn probe(&self, base: &str, timeout: Duration) -> Result<(), ProbeError> {
+        let url = format!("{base}/health");
+        // The exchange's own deadline is a little later, so that this one tells a slow answer from the others.
+        let answer = tokio::time::timeout(timeout, self.simple(Method::GET, &url, timeout + timeout / 2)).await;
+        match answer {
+            Err(_) => Err(ProbeError::Slow(format!("{url}: no answer within {timeout:?}"))),
+            Ok(Err(reason)) => Err(ProbeError::Failed(reason)),
+            Ok(Ok((StatusCode::OK, _))) => Ok(()),
+            Ok(Ok((status, _))) => Err(ProbeError::Failed(format!("{url}: status {status}"))),
         }
     }
 

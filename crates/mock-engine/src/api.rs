@@ -88,6 +88,10 @@ async fn not_found() -> Response {
 }
 
 async fn health(State(s): State<AppState>) -> StatusCode {
+    let delay = s.engine.config().faults.health_delay;
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     if s.engine.config().faults.unhealthy {
         StatusCode::SERVICE_UNAVAILABLE
     } else {

@@ -55,6 +55,8 @@ pub struct Faults {
     pub dead_ranks: Vec<u32>,
     /// `/health` answers 503.
     pub unhealthy: bool,
+    /// `/health` answers after this long (a probe slower than the gateway's timeout, while requests are served).
+    pub health_delay: Duration,
 }
 
 #[derive(Debug, Clone)]
