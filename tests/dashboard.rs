@@ -217,13 +217,15 @@ fn parse_scrape(text: &str) -> (BTreeSet<String>, BTreeMap<String, String>) {
 /// Ordinary traffic through a gateway whose first worker refuses connections (one retry) in front of an engine that
 /// answers 30% of generations with a 500 (a fixed seed makes which ones deterministic); then every series the
 /// dashboard queries is in the scrape.
-/// A gateway whose `cache_aware` follows a mock engine's KV events, after a few requests: its scrape.
+/// A gateway whose `cache_aware` follows a mock engine's KV events (and keys prompts with a tokenizer), after a
+/// few requests: its scrape.
 async fn precise_mode_scrape(c: &common::HttpClient) -> String {
     let engine = Proc::engine(&["--dp-size", "2", "--kv-events", "tcp://127.0.0.1:0"]);
     let info = get(c, &format!("{}/get_server_info", engine.url)).await.json;
     let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-precise.toml");
+    let tokenizer = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/smollm2");
     let toml = format!(
-        "[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\n",
+        "tokenizer = {tokenizer:?}\n[[workers]]\nurl = {:?}\ndp_size = 2\nkv_events = {}\n",
         engine.url, info["kv_events_endpoints"]
     );
     std::fs::write(&config, toml).unwrap();

@@ -89,3 +89,48 @@ fn chat_and_text_token_ids_match_transformers_rendering_and_the_tokenizers_packa
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     );
 }
+
+/// The peak resident memory of process `pid` (`VmHWM`), bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+/// A 10 MB chat through a gateway with a tokenizer: only its head is tokenized (counted as cut), the request is
+/// answered, and the gateway's peak memory stays at tens of megabytes, where tokenizing it whole takes about 2 GB
+/// (200 bytes per byte). The bound asserted is loose (the whole would be five times over it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_chat_is_tokenized_only_as_far_as_keys_need() {
+    let engine = common::Proc::engine(&["--dp-size", "2"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tokenizer-huge.toml");
+    std::fs::write(&config, format!("tokenizer = {MODEL:?}\n")).unwrap();
+    let gw = common::Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let c = common::client();
+    let before = peak_rss(gw.child.id());
+    let content = "Words and numbers 12345, again and again. ".repeat(250_000);
+    let body = json!({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]});
+    let reply = common::post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &body).await;
+    assert_eq!(reply.status, hyper::StatusCode::OK, "{}", reply.text);
+    let metrics = common::get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert!(
+        metrics.lines().any(|l| l == "dprouter_tokenize_cut_total 1"),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("tokenize"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let grown = peak_rss(gw.child.id()).saturating_sub(before);
+    eprintln!(
+        "peak RSS grew by {} MB for a {} MB chat",
+        grown >> 20,
+        content.len() >> 20
+    );
+    assert!(grown < 400 << 20, "peak RSS grew by {} MB", grown >> 20);
+}

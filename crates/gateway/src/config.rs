@@ -304,6 +304,10 @@ pub struct GatewayConfig {
     pub tokenizer: Option<std::path::PathBuf>,
     /// Per served model name, its model directory, as `tokenizer`.
     pub tokenizers: std::collections::BTreeMap<String, std::path::PathBuf>,
+    /// The most of a text or chat prompt (its rendering, bytes) tokenized for its key: a longer one is keyed on
+    /// the tokens of about its first this many bytes (`dprouter_tokenize_cut_total` counts them). Tokenizing costs
+    /// about 200 bytes of memory per byte, so this bounds a request's cost (256 KiB: some 60,000 tokens, 50 MB).
+    pub tokenize_max_bytes: usize,
     /// Model names clients may use for another, served one (`"gpt-4o" = "smollm2"`): the request is routed to the
     /// workers serving the served name, which the worker gets in the body.
     pub model_aliases: std::collections::BTreeMap<String, String>,
@@ -341,6 +345,7 @@ impl Default for GatewayConfig {
             model_aliases: Default::default(),
             tokenizer: None,
             tokenizers: Default::default(),
+            tokenize_max_bytes: 256 << 10,
             retries: 2,
             connect_timeout_ms: 2000,
             upstream_ca_file: None,
@@ -406,6 +411,9 @@ impl GatewayConfig {
         }
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Invalid("max_body_bytes must be at least 1".into()));
+        }
+        if self.tokenize_max_bytes == 0 {
+            return Err(ConfigError::Invalid("tokenize_max_bytes must be at least 1".into()));
         }
         if let Some(key) = &self.admin_key {
             if key.trim().is_empty() {

@@ -259,7 +259,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         .tokenizers
         .for_model(served.as_deref().or(membership.sole_model()))
     {
-        crate::tokens::exact_prompt(tokenizer, &bytes, &mut route).await;
+        crate::tokens::exact_prompt(&state.tokenizers, tokenizer, &bytes, &mut route).await;
     }
     route.now_us = crate::clock::now_us();
     let home = previous_response_id

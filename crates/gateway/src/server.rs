@@ -162,6 +162,10 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     telemetry::handle();
+    if !state.tokenizers.is_empty() {
+        // Defined from the start on a gateway that tokenizes, so its rate is.
+        metrics::counter!(telemetry::TOKENIZE_CUT).increment(0);
+    }
     let (stop, stopped) = watch::channel(false);
     let mut tasks = health::spawn(Arc::clone(&state), stopped.clone());
     let feeds = crate::kv_events::FeedParts {

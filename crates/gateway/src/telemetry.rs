@@ -15,6 +15,7 @@
 //! | `dprouter_kv_event_batches_total` | counter | `endpoint` (KV event batches applied) |
 //! | `dprouter_kv_event_blocks` | gauge | `endpoint` (router blocks the endpoint holds, as its KV events tell) |
 //! | `dprouter_kv_event_errors_total` | counter | `endpoint`, `kind` (`gap`, `restart`, `decode`, `orphan`, `overflow`, `replay`, `frames`) |
+//! | `dprouter_tokenize_cut_total` | counter | (text and chat prompts tokenized only up to `tokenize_max_bytes`: their keys cover that head) |
 
 use std::sync::OnceLock;
 
@@ -36,6 +37,7 @@ pub const PREDICTION_ERROR: &str = "dprouter_cache_prediction_error_tokens";
 pub const KV_EVENT_BATCHES: &str = "dprouter_kv_event_batches_total";
 pub const KV_EVENT_ERRORS: &str = "dprouter_kv_event_errors_total";
 pub const KV_EVENT_BLOCKS: &str = "dprouter_kv_event_blocks";
+pub const TOKENIZE_CUT: &str = "dprouter_tokenize_cut_total";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -54,6 +56,7 @@ pub const ALL: &[&str] = &[
     KV_EVENT_BATCHES,
     KV_EVENT_ERRORS,
     KV_EVENT_BLOCKS,
+    TOKENIZE_CUT,
 ];
 
 const TOKEN_BUCKETS: &[f64] = &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0];

@@ -70,6 +70,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/models", get(models))
         .route("/flush_cache", post(flush_cache))
         .fallback(not_found)
+        // Real engines take bodies far past axum's 2 MB default (SGLang and vLLM set no limit).
+        .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(state)
 }
 

@@ -38,6 +38,21 @@ pub struct ModelTokenizer {
     pieces: Mutex<Pieces>,
 }
 
+/// A prompt's first token ids, when only its head was tokenized.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    /// The first ids of the prompt's tokenization (all of them when not `cut`).
+    pub ids: Vec<u32>,
+    /// Only a head was tokenized.
+    pub cut: bool,
+    /// The prompt's tokens: exact when not `cut`, else estimated from the head's bytes per token.
+    pub total: u64,
+}
+
+/// Ids dropped from the end of a head cut inside a word: the tokenization of a word cut in two may differ from the
+/// whole word's in its last tokens.
+pub const UNSURE_TOKENS: usize = 16;
+
 /// The most tokens the piece cache keeps before it starts over.
 pub const CACHED_TOKENS: usize = 4 << 20;
 /// Pieces shorter than this are tokenized every time (cheaper than caching them).
@@ -153,6 +168,58 @@ impl ModelTokenizer {
     pub fn chat_ids(&self, messages: &Value, tools: Option<&Value>) -> Result<Vec<u32>, String> {
         let text = self.render_chat(messages, tools)?;
         self.encode_pieces(&text)
+    }
+
+    /// The ids of a chat's head: as [`Self::chat_ids`] for a rendering of at most `max_bytes`, else the ids of its
+    /// first `max_bytes` or so only ([`Head`]). Rendering is cheap; tokenizing costs about 200 bytes of memory
+    /// and 1.5 µs per token, so a router bounds its work by the head its keys need.
+    pub fn chat_head(&self, messages: &Value, tools: Option<&Value>, max_bytes: usize) -> Result<Head, String> {
+        let text = self.render_chat(messages, tools)?;
+        self.head(&text, max_bytes, |head| self.encode_pieces(head))
+    }
+
+    /// The ids of a text prompt's head, as [`Self::text_ids`] within `max_bytes` ([`Self::chat_head`]).
+    pub fn text_head(&self, text: &str, max_bytes: usize) -> Result<Head, String> {
+        self.head(text, max_bytes, |head| self.encode(head, true))
+    }
+
+    /// `text` tokenized by `encode` whole when it is at most `max_bytes`; otherwise its head: up to the last cutter
+    /// (special token) that ends within `max_bytes` when there is one, whose ids are exactly the whole text's first
+    /// ids; else its first `max_bytes` (at a character boundary) less the last [`UNSURE_TOKENS`] ids, which a
+    /// word cut in two may have changed.
+    fn head(
+        &self,
+        text: &str,
+        max_bytes: usize,
+        encode: impl Fn(&str) -> Result<Vec<u32>, String>,
+    ) -> Result<Head, String> {
+        if text.len() <= max_bytes {
+            let ids = encode(text)?;
+            let total = ids.len() as u64;
+            return Ok(Head { ids, cut: false, total });
+        }
+        let mut end = max_bytes;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let at_cutter = self.cutters.as_ref().and_then(|(cutters, _)| {
+            cutters
+                .find_iter(&text[..end])
+                .map(|m| m.end())
+                .last()
+                .filter(|&cut| cut * 2 >= end)
+        });
+        let (head, exact) = match at_cutter {
+            Some(cut) => (&text[..cut], true),
+            None => (&text[..end], false),
+        };
+        let mut ids = encode(head)?;
+        if !exact {
+            ids.truncate(ids.len().saturating_sub(UNSURE_TOKENS));
+        }
+        // The rest at the head's rate.
+        let total = (ids.len() as f64 * text.len() as f64 / head.len().max(1) as f64).ceil() as u64;
+        Ok(Head { ids, cut: true, total })
     }
 
     /// `text`'s ids without special tokens added, piece by piece between cutters, the pieces cached.
@@ -352,6 +419,48 @@ mod tests {
             }
         }
         assert!(t.lock_pieces().tokens > 0, "long pieces are kept");
+    }
+
+    #[test]
+    fn a_head_is_the_first_ids_of_the_whole_tokenization() {
+        let t = smollm2();
+        let long = "A sentence with numbers 1234 and spaces  , twice. ".repeat(40);
+        let messages = serde_json::json!([
+            {"role": "system", "content": long},
+            {"role": "user", "content": "A question?"},
+            {"role": "assistant", "content": long},
+            {"role": "user", "content": long},
+        ]);
+        let whole = t.chat_ids(&messages, None).unwrap();
+        let rendered = t.render_chat(&messages, None).unwrap().len();
+        // Room for everything: the whole, exact.
+        let all = t.chat_head(&messages, None, rendered).unwrap();
+        assert_eq!(
+            (all.ids.as_slice(), all.cut, all.total),
+            (whole.as_slice(), false, whole.len() as u64)
+        );
+        // Cut after the second message: up to a special token, exactly the whole's first ids.
+        let cut = t.chat_head(&messages, None, rendered * 2 / 3).unwrap();
+        assert!(cut.cut && cut.ids.len() > whole.len() / 3, "{}", cut.ids.len());
+        assert_eq!(cut.ids, whole[..cut.ids.len()]);
+        assert!(
+            cut.total.abs_diff(whole.len() as u64) * 10 < whole.len() as u64,
+            "{}",
+            cut.total
+        );
+        // Inside the first message, with no special token far enough in: a prefix of the whole's ids, less the
+        // ids a cut word may have changed.
+        for max in [100, 1_000, 1_999] {
+            let cut = t.chat_head(&messages, None, max).unwrap();
+            assert!(cut.cut && !cut.ids.is_empty(), "{max}");
+            assert_eq!(cut.ids, whole[..cut.ids.len()], "{max}");
+        }
+        // A text prompt too, through a multi-byte character.
+        let text = "é".repeat(3_000);
+        let head = t.text_head(&text, 1_001).unwrap();
+        let ids = t.text_ids(&text).unwrap();
+        assert!(head.cut);
+        assert_eq!(head.ids, ids[..head.ids.len()]);
     }
 
     #[test]
