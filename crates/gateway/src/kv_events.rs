@@ -18,9 +18,12 @@
 //! approximate mode. Nothing here blocks routing: the policies' lock is taken once per change.
 //!
 //! Two shapes ([`Shape`]): the feed connects to a publisher that binds (`kv_events`; SGLang, the mock engine, vLLM
-//! with `tcp://*:PORT`), or binds where a publisher connects (`kv_events_bind`; vLLM with `tcp://HOST:PORT`). The
-//! socket's own connection events say whether a publisher is attached, so `connected` turns false as soon as the
-//! publisher's connection closes; a connecting feed then drops its socket and connects afresh every second. When
+//! with `tcp://*:PORT`), or binds where a publisher connects (`kv_events_bind`; vLLM with `tcp://HOST:PORT`). Each
+//! publisher's connection is a ZMTP connection of [`crate::zmtp`] in a task of its own, which reads its messages
+//! within [`LIMITS`] (a message over 4 MiB ends the connection and counts as an error) into a queue of at most
+//! [`PEER_QUEUE`] messages, and tells the feed when it is up and when it ends: `connected` turns false as soon as
+//! the publisher's connection closes, and a connecting feed connects afresh every second. A replay's answer is
+//! bounded too ([`MAX_REPLAY_BYTES`]). When
 //! a publisher comes back after the feed had applied batches, the feed asks the replay endpoint for the last
 //! batch it applied: the same batch means the same engine (what it published meanwhile is replayed), none or
 //! another means the engine restarted, and its endpoint's index is emptied then, before any request goes there.
@@ -37,16 +40,16 @@ use bytes::Bytes;
 use dprouter_core::engine_blocks::{CacheChange, EngineBlocks, FollowError};
 use dprouter_core::kv_events::{decode_batch, EventBatch};
 use dprouter_core::{EndpointId, PolicyConfig};
-use futures_util::StreamExt;
 use serde::Serialize;
-use tokio::sync::watch;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::config::{worker_url_key, WorkerConfig};
 use crate::policies::Policies;
 use crate::registry::Registry;
 use crate::telemetry;
+use crate::zmtp;
 
 /// Engine blocks followed per endpoint at most (about 60 bytes each, plus the events' tokens).
 pub const MAX_ENGINE_BLOCKS: usize = 4 << 20;
@@ -56,6 +59,21 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 const RECONNECT: Duration = Duration::from_secs(1);
 /// The end-of-replay sequence number.
 const END: u64 = u64::MAX;
+/// What one publisher's message may hold: a batch of events (a step's, a few KB to a few hundred KB even for a
+/// long prefill) in a few frames. A message past it ends the publisher's connection.
+const LIMITS: zmtp::Limits = zmtp::Limits {
+    max_message: 4 << 20,
+    max_frames: 8,
+};
+/// A replay's whole answer, at most (vLLM keeps 10,000 batches).
+const MAX_REPLAY_BYTES: usize = 64 << 20;
+const MAX_REPLAY_BATCHES: usize = 20_000;
+/// Messages read ahead of the feed, per endpoint (so at most this many times a message's limit in memory).
+const PEER_QUEUE: usize = 16;
+/// Publishers connected at once to a binding feed.
+const MAX_PUBLISHERS: usize = 8;
+/// How long connecting and greeting may take.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// The `kind`s of `dprouter_kv_event_errors_total`.
 const ERROR_KINDS: [&str; 7] = ["gap", "restart", "decode", "orphan", "overflow", "replay", "frames"];
 
@@ -305,76 +323,47 @@ impl Feed {
             self.count_n(kind, 0);
         }
         metrics::counter!(telemetry::KV_EVENT_BATCHES, "endpoint" => self.endpoint.to_string()).increment(0);
-        loop {
-            let mut socket = zeromq::SubSocket::new();
-            let mut monitor = socket.monitor();
-            let attached = async {
-                match self.shape {
-                    Shape::Connect => socket.connect(&self.publisher).await?,
-                    Shape::Bind => drop(socket.bind(&self.publisher).await?),
-                }
-                socket.subscribe("").await
-            };
-            if let Err(e) = attached.await {
-                match self.shape {
-                    Shape::Connect => {
-                        tracing::debug!(endpoint = %self.endpoint, publisher = %self.publisher, error = %e, "KV events: cannot subscribe yet")
-                    }
-                    Shape::Bind => {
-                        tracing::warn!(endpoint = %self.endpoint, address = %self.publisher, error = %e, "KV events: cannot bind")
-                    }
-                }
-                tokio::time::sleep(RECONNECT).await;
-                continue;
+        // The publishers' connections, each in a task of its own (stopped with this one), tell what they see here.
+        let (tell, mut told) = tokio::sync::mpsc::channel(PEER_QUEUE);
+        let mut peers_tasks = tokio::task::JoinSet::new();
+        match self.shape {
+            Shape::Connect => {
+                peers_tasks.spawn(connect_loop(self.publisher.clone(), tell));
             }
-            // Publishers attached: a connecting feed has its one; a binding feed waits for them.
-            let mut peers = match self.shape {
-                Shape::Connect => {
-                    tracing::info!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: subscribed");
-                    self.attached().await;
-                    1usize
-                }
-                Shape::Bind => {
-                    tracing::info!(endpoint = %self.endpoint, address = %self.publisher, "KV events: waiting for the publisher to connect");
-                    0
-                }
-            };
-            loop {
-                tokio::select! {
-                    message = socket.recv() => {
-                        let Ok(message) = message else { break };
-                        let frames = message.into_vec();
-                        let Some((seq, payload)) = sequenced(&frames) else {
-                            self.count("frames");
-                            continue;
-                        };
-                        self.receive(seq, payload).await;
+            Shape::Bind => {
+                peers_tasks.spawn(accept_loop(self.endpoint, self.publisher.clone(), tell));
+            }
+        }
+        let mut peers = 0usize;
+        while let Some(event) = told.recv().await {
+            match event {
+                Peer::Up => {
+                    peers += 1;
+                    if peers == 1 {
+                        tracing::info!(endpoint = %self.endpoint, publisher = %self.publisher, shape = ?self.shape, "KV events: subscribed");
+                        self.attached().await;
                     }
-                    event = monitor.next() => match event {
-                        Some(SocketEvent::Accepted(..)) if self.shape == Shape::Bind => {
-                            peers += 1;
-                            if peers == 1 {
-                                tracing::info!(endpoint = %self.endpoint, address = %self.publisher, "KV events: the publisher connected");
-                                self.attached().await;
-                            }
-                        }
-                        Some(SocketEvent::Disconnected(_)) => {
-                            peers = peers.saturating_sub(1);
-                            if peers == 0 {
-                                self.status(|s| s.connected = false);
-                                tracing::warn!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: the publisher went away");
-                                if self.shape == Shape::Connect {
-                                    break;
-                                }
-                            }
-                        }
-                        Some(_) => {}
-                        None => break,
-                    },
+                }
+                Peer::Message(frames) => {
+                    let Some((seq, payload)) = sequenced(&frames) else {
+                        self.count("frames");
+                        continue;
+                    };
+                    self.receive(seq, payload).await;
+                }
+                Peer::Down(reason) => {
+                    peers = peers.saturating_sub(1);
+                    if let Some(too_large) = reason.filter(|r| r.is_too_large()) {
+                        tracing::warn!(endpoint = %self.endpoint, publisher = %self.publisher, error = %too_large, "KV events: the publisher sent more than a message may hold: disconnected");
+                        self.count("frames");
+                        self.status(|s| s.decode_errors += 1);
+                    }
+                    if peers == 0 {
+                        self.status(|s| s.connected = false);
+                        tracing::warn!(endpoint = %self.endpoint, publisher = %self.publisher, "KV events: the publisher went away");
+                    }
                 }
             }
-            self.status(|s| s.connected = false);
-            tokio::time::sleep(RECONNECT).await;
         }
     }
 
@@ -562,21 +551,121 @@ fn sequenced(frames: &[Bytes]) -> Option<(u64, &[u8])> {
 }
 
 /// Asks a replay endpoint for every batch from `from`; returns them in order. Replies are
-/// `[empty, seq, payload]` or, from newer vLLM, `[empty, topic, seq, payload]`, ending with sequence -1.
+/// `[empty, seq, payload]` or, from newer vLLM, `[empty, topic, seq, payload]`, ending with sequence -1. At most
+/// [`MAX_REPLAY_BYTES`] in all, and [`MAX_REPLAY_BATCHES`] batches.
 async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, String> {
-    let mut socket = zeromq::DealerSocket::new();
-    socket.connect(endpoint).await.map_err(|e| e.to_string())?;
-    let request = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())])
+    let address = zmtp::tcp_address(endpoint).ok_or_else(|| format!("{endpoint} is not tcp://host:port"))?;
+    let stream = TcpStream::connect(&address).await.map_err(|e| e.to_string())?;
+    let mut conn = zmtp::Connection::handshake(stream, "DEALER", LIMITS, HANDSHAKE_TIMEOUT)
+        .await
         .map_err(|e| e.to_string())?;
-    socket.send(request).await.map_err(|e| e.to_string())?;
+    conn.send(&[b"", &from.to_be_bytes()])
+        .await
+        .map_err(|e| e.to_string())?;
     let mut batches = Vec::new();
+    let mut total = 0usize;
     loop {
-        let frames = socket.recv().await.map_err(|e| e.to_string())?.into_vec();
+        let frames = conn.recv().await.map_err(|e| e.to_string())?;
         let (seq, payload) = sequenced(&frames).ok_or("a replay reply without a sequence number")?;
         if seq == END {
             return Ok(batches);
         }
+        total += payload.len();
+        if total > MAX_REPLAY_BYTES || batches.len() >= MAX_REPLAY_BATCHES {
+            return Err(format!(
+                "a replay of more than {MAX_REPLAY_BATCHES} batches or {MAX_REPLAY_BYTES} bytes"
+            ));
+        }
         batches.push((seq, Bytes::copy_from_slice(payload)));
+    }
+}
+
+/// What a publisher's connection tells its feed.
+enum Peer {
+    /// Connected and subscribed.
+    Up,
+    Message(Vec<Bytes>),
+    /// The connection ended (with the error, when there was one).
+    Down(Option<zmtp::ZmtpError>),
+}
+
+/// Reads one publisher's connection into `tell` until it ends.
+async fn pump(stream: TcpStream, tell: &mpsc::Sender<Peer>) {
+    let conn = zmtp::Connection::handshake(stream, "SUB", LIMITS, HANDSHAKE_TIMEOUT).await;
+    let mut conn = match conn {
+        Ok(conn) => conn,
+        Err(e) => {
+            tracing::debug!(error = %e, "KV events: a publisher's handshake failed");
+            return;
+        }
+    };
+    if conn.subscribe(b"").await.is_err() || tell.send(Peer::Up).await.is_err() {
+        return;
+    }
+    let ended = loop {
+        match conn.recv().await {
+            Ok(frames) => {
+                if tell.send(Peer::Message(frames)).await.is_err() {
+                    return;
+                }
+            }
+            Err(zmtp::ZmtpError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => break None,
+            Err(e) => break Some(e),
+        }
+    };
+    let _ = tell.send(Peer::Down(ended)).await;
+}
+
+/// Connects to a publisher that binds, and again each [`RECONNECT`] after its connection ends.
+async fn connect_loop(publisher: String, tell: mpsc::Sender<Peer>) {
+    let Some(address) = zmtp::tcp_address(&publisher) else {
+        return;
+    };
+    loop {
+        match tokio::time::timeout(HANDSHAKE_TIMEOUT, TcpStream::connect(&address)).await {
+            Ok(Ok(stream)) => pump(stream, &tell).await,
+            Ok(Err(e)) => tracing::debug!(%publisher, error = %e, "KV events: cannot connect yet"),
+            Err(_) => tracing::debug!(%publisher, "KV events: connecting timed out"),
+        }
+        if tell.is_closed() {
+            return;
+        }
+        tokio::time::sleep(RECONNECT).await;
+    }
+}
+
+/// Binds where publishers connect, and reads each that does (several may, each in a task of its own).
+async fn accept_loop(endpoint: EndpointId, address: String, tell: mpsc::Sender<Peer>) {
+    let Some(bind) = zmtp::tcp_address(&address) else {
+        return;
+    };
+    let listener = loop {
+        match TcpListener::bind(&bind).await {
+            Ok(listener) => break listener,
+            Err(e) => {
+                tracing::warn!(%endpoint, %address, error = %e, "KV events: cannot bind");
+                tokio::time::sleep(RECONNECT).await;
+            }
+        }
+    };
+    tracing::info!(%endpoint, %address, "KV events: waiting for the publisher to connect");
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) if connections.len() < MAX_PUBLISHERS => {
+                    let tell = tell.clone();
+                    connections.spawn(async move { pump(stream, &tell).await });
+                }
+                Ok(_) => tracing::warn!(%endpoint, %address, "KV events: too many publishers connected: refused one"),
+                Err(e) => {
+                    tracing::warn!(%endpoint, %address, error = %e, "KV events: accepting failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            Some(_) = connections.join_next() => {}
+            () = tell.closed() => return,
+        }
     }
 }
 
