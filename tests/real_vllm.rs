@@ -5,7 +5,7 @@
 //! caches whole 128-token blocks only, so a turn *hits* when vLLM reports (`usage.prompt_tokens_details`) at least
 //! the previous turn's prompt rounded down to 128 tokens.
 //!
-//! Needs Python 3.11+ and the package index the first time (about 3.2 GB of wheels, 6.2 GB on disk, 5 to 7
+//! Needs Python 3.11+ and the package index the first time (about 3.2 GB of wheels, 6.8 GB on disk, 5 to 10
 //! minutes); skipped, with a message, only when the package index cannot be reached at all.
 #![allow(clippy::unwrap_used)]
 
