@@ -8,20 +8,9 @@
 
 mod common;
 
-use common::{client, post, LlamaServers, Proc};
+use common::{client, post, system_prompt, LlamaServers, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
-
-/// A system prompt of about 400 tokens, different for every agent from its first token on.
-fn system_prompt(agent: usize) -> String {
-    let mut text = format!("You are agent number {agent}. You answer briefly. Your tools:\n");
-    for i in 0..24 {
-        text.push_str(&format!(
-            "- tool_{agent}_{i}: looks up record {i} of ledger {agent} and returns its balance.\n"
-        ));
-    }
-    text
-}
 
 /// What one agent's run of turns saw.
 #[derive(Debug, Default)]

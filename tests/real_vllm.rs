@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{client, eventually, get, post, Proc, VllmEngine};
+use common::{client, eventually, get, post, system_prompt, Proc, VllmEngine};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
@@ -56,17 +56,6 @@ async fn step_each_rank(url: &str) {
 /// The rank that answered, from the gateway's `x-dprouter-endpoint` (`w0r1`).
 fn rank_of(reply: &common::Reply) -> Option<u64> {
     reply.endpoint.as_deref()?.rsplit('r').next()?.parse().ok()
-}
-
-/// A system prompt of about 400 tokens, different for every conversation from its first token on.
-fn system_prompt(n: usize) -> String {
-    let mut text = format!("You are assistant number {n}. You answer briefly. Your tools:\n");
-    for i in 0..24 {
-        text.push_str(&format!(
-            "- tool_{n}_{i}: looks up record {i} of ledger {n} and returns its balance.\n"
-        ));
-    }
-    text
 }
 
 /// One turn as the client saw it.

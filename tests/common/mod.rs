@@ -439,3 +439,14 @@ fn free_port_block() -> u16 {
         }
     }
 }
+
+/// A system prompt of about 400 tokens (SmolLM2's), different for every agent from its first token on.
+pub fn system_prompt(agent: usize) -> String {
+    let mut text = format!("You are agent number {agent}. You answer briefly. Your tools:\n");
+    for i in 0..24 {
+        text.push_str(&format!(
+            "- tool_{agent}_{i}: looks up record {i} of ledger {agent} and returns its balance.\n"
+        ));
+    }
+    text
+}
