@@ -119,10 +119,8 @@ impl Connection {
         }
         self.write_frame(COMMAND, &ready).await?;
         self.stream.flush().await?;
-        // Their READY (or ERROR).
-        let (flags, body) = self
-            .read_frame(self.limits.max_message.saturating_sub(MAX_COMMAND_BYTES))
-            .await?;
+        // Their READY (or ERROR): a command, with no room for message bytes before it.
+        let (flags, body) = self.read_frame(self.limits.max_message).await?;
         if flags & COMMAND == 0 {
             return Err(ZmtpError::Protocol("a message before the peer's READY".into()));
         }
