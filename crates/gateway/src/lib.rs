@@ -12,7 +12,8 @@
 //!    [`crate::response_homes`].
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
-//!    [`crate::telemetry`] (metric names, over the registry).
+//!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
+//!    hyper writes itself).
 //! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
 //!    their own status map), [`crate::access`] (what each answer was).
 //! 4. [`crate::state`]: the parts together, for the handlers.
@@ -33,6 +34,7 @@ pub mod kv_events;
 mod layers;
 pub mod listener;
 pub mod names;
+pub mod parse_errors;
 pub mod policies;
 pub mod proxy;
 pub mod registry;

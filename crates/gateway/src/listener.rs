@@ -47,6 +47,7 @@ use tokio::time::Instant;
 
 use crate::config::ServerConfig;
 use crate::error::ApiError;
+use crate::parse_errors::JsonParseErrors;
 
 /// Under pressure (no free connection slot, or no file descriptor), connections idle at least this long are
 /// closed. The grace keeps a client's pooled connection that it is about to reuse from being closed under it.
@@ -222,10 +223,10 @@ async fn serve_stream<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(Watched {
+    let io = TokioIo::new(JsonParseErrors::new(Watched {
         inner: stream,
         activity: Arc::clone(&activity),
-    });
+    }));
     let service = ConnService {
         inner: TowerToHyperService::new(router),
         peer,
@@ -233,7 +234,8 @@ async fn serve_stream<S>(
     };
     let mut builder = http1::Builder::new();
     // hyper's own limits sit above the gateway's (`names::MAX_HEADERS`, `MAX_HEADER_BYTES`, `MAX_URI_BYTES`), so
-    // the gateway answers an oversized head with a JSON error; only heads past these get hyper's bare 431.
+    // the gateway answers an oversized head itself; heads past these get hyper's answer, in JSON too
+    // ([`JsonParseErrors`]).
     builder
         .keep_alive(true)
         .header_read_timeout(None)
