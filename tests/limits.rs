@@ -463,3 +463,59 @@ async fn sigterm_with_a_stuck_request_exits_at_the_drain_deadline() {
         .unwrap();
     assert!(outcome.is_err(), "{outcome:?}");
 }
+
+#[test]
+fn a_stream_cut_at_the_drain_deadline_ends_with_an_error_event_and_the_process_exits_soon_after() {
+    // 100 ms a token: a 100-token stream outlives the drain.
+    let engine = Proc::engine(&["--tpot-ms", "100"]);
+    let (mut gw, _config) = gateway(&engine, "cut", "[server]\ndrain_timeout_ms = 500\n");
+    let mut stream = connect(&gw);
+    let body = json!({"text": "hello", "stream": true, "sampling_params": {"max_new_tokens": 100}}).to_string();
+    let request = format!(
+        "POST /generate HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).unwrap();
+    // The stream is under way.
+    let mut first = [0u8; 512];
+    stream.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let n = stream.read(&mut first).unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    let reader = std::thread::spawn(move || read_until_closed(&mut stream, Duration::from_secs(5)));
+    let took = terminate(&mut gw, Duration::from_secs(5));
+    let (rest, closed) = reader.join().unwrap();
+    assert!(closed.is_some(), "the stream was not closed: {rest:.300}");
+    assert!(
+        took >= Duration::from_millis(450) && took < Duration::from_millis(1_000),
+        "exited {took:?} after SIGTERM (the drain deadline is 500 ms)"
+    );
+    // Events, then one error event, then the chunked body's end: the client can tell the stream was cut.
+    let events: Vec<&str> = rest.lines().filter(|l| l.starts_with("data: ")).collect();
+    let last = events.last().copied().unwrap_or_default();
+    assert!(events.len() >= 2, "{rest:.500}");
+    let error: Value = serde_json::from_str(last.trim_start_matches("data: ")).unwrap();
+    assert_eq!(error["error"]["code"], 503, "{last}");
+    assert!(
+        error["error"]["message"].as_str().unwrap().contains("shutting down"),
+        "{last}"
+    );
+    assert!(!rest.contains("[DONE]"), "{rest:.500}");
+    assert!(
+        rest.ends_with("0\r\n\r\n"),
+        "the response did not end cleanly: {rest:.500}"
+    );
+}
+
+#[test]
+fn sigterm_does_not_wait_for_background_probes_in_flight() {
+    // Every health probe and load poll hangs for its whole 3 s timeout: one is always in flight.
+    let engine = Proc::engine(&["--health-delay-ms", "10000"]);
+    let (mut gw, _config) = gateway(
+        &engine,
+        "probes",
+        "[server]\ndrain_timeout_ms = 200\n[health]\ninterval_ms = 100\ntimeout_ms = 3000\n",
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let took = terminate(&mut gw, Duration::from_secs(5));
+    assert!(took < Duration::from_millis(700), "exited {took:?} after SIGTERM");
+}

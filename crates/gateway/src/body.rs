@@ -15,7 +15,8 @@
 //! and each later byte within the stream idle timeout of the one before. An upstream body that breaks or stalls
 //! mid-way counts against the endpoint and ends an SSE stream with one `data: {"error": …}` event (after ending
 //! a partial line, so clients parse it as an event) and no `[DONE]`, which OpenAI clients raise on; any other
-//! body breaks.
+//! body breaks. A stream still open when the shutdown's drain deadline passes ends the same way, with a 503 error
+//! event that is not the endpoint's fault.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -29,6 +30,7 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::time::Sleep;
 
 use crate::access::Exchange;
+use crate::drain_deadline::{DeadlineWait, DrainDeadline};
 use crate::registry::{Failure, Registry};
 use crate::response_homes::ResponseHomes;
 use crate::telemetry;
@@ -75,6 +77,8 @@ pub struct GuardedBody<B = Incoming> {
     exchange: Exchange,
     /// Where a Responses answer's id goes, once read.
     homes: Option<Arc<ResponseHomes>>,
+    /// The shutdown's drain deadline, for a stream to end at with an error event.
+    cut: Option<DeadlineWait>,
 }
 
 impl<B> GuardedBody<B> {
@@ -107,7 +111,17 @@ impl<B> GuardedBody<B> {
             held: None,
             exchange,
             homes: None,
+            cut: None,
         }
+    }
+
+    /// Ends an SSE stream with an error event when the shutdown's drain deadline passes (other bodies are cut
+    /// with their connection).
+    pub fn cut_at(mut self, deadline: &DrainDeadline) -> Self {
+        if self.sse {
+            self.cut = Some(deadline.wait());
+        }
+        self
     }
 
     /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
@@ -156,21 +170,40 @@ impl<B> GuardedBody<B> {
             .as_ref()
             .map_or(Failure::Engine, |t| Failure::engine(t.pick.branch));
         self.registry.record_failure(self.endpoint, failure, Instant::now());
-        self.done = true;
-        self.ticket = None;
         let code = if kind == "timeout" { 504 } else { 502 };
-        self.exchange.failed(code);
         if !self.sse {
+            self.done = true;
+            self.ticket = None;
+            self.exchange.failed(code);
             return Poll::Ready(Some(Err(err)));
         }
-        // End a partial line or event first, then the error event, then a clean end: bytes already written are
-        // not lost to a reset.
+        self.end_with_error_event(message, "upstream_error", code)
+    }
+
+    /// The drain deadline passed: the stream ends with an error event. Not the endpoint's fault.
+    fn cut_by_shutdown(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::info!(endpoint = %self.label, "a stream was cut at the drain deadline");
+        let message = "the gateway is shutting down: the stream was cut at its drain deadline";
+        self.end_with_error_event(message, "service_unavailable_error", 503)
+    }
+
+    /// Ends an SSE stream: a partial line or event first, then one error event, then a clean end (bytes already
+    /// written are not lost to a reset); releases the load.
+    fn end_with_error_event(
+        &mut self,
+        message: &str,
+        kind: &str,
+        code: u16,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        self.ticket = None;
+        self.exchange.failed(code);
         let open = match self.scanner.framing() {
             Framing::EventEnded => "",
             Framing::LineEnded => "\n",
             Framing::InLine => "\n\n",
         };
-        let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": code}});
+        let event = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
         // After the bytes gathered and not yet handed on.
         self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
         Poll::Ready(self.take_batch().map(Ok))
@@ -300,6 +333,9 @@ where
         if this.done {
             return Poll::Ready(this.take_batch().map(Ok));
         }
+        if this.cut.as_ref().is_some_and(DeadlineWait::passed) {
+            return this.cut_by_shutdown();
+        }
         loop {
             match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Pending => {
@@ -311,6 +347,9 @@ where
                         }
                         this.yields = 0;
                         return Poll::Ready(this.take_batch().map(Ok));
+                    }
+                    if this.cut.as_mut().is_some_and(|cut| cut.poll_passed(cx)) {
+                        return this.cut_by_shutdown();
                     }
                     if !this.deadline_passed(cx) {
                         return Poll::Pending;

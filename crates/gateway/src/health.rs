@@ -31,6 +31,18 @@ pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandl
     tasks
 }
 
+/// `work`'s output, or `None` if `stop` turns true first: a round in flight (a probe waiting for its timeout) does
+/// not hold the shutdown up.
+async fn until_stopped<T>(stop: &mut watch::Receiver<bool>, work: impl std::future::Future<Output = T>) -> Option<T> {
+    if *stop.borrow() {
+        return None;
+    }
+    tokio::select! {
+        out = work => Some(out),
+        _ = stop.wait_for(|stopped| *stopped) => None,
+    }
+}
+
 /// Runs `round` every `interval` until stopped.
 async fn every<F, Fut>(interval: Duration, mut stop: watch::Receiver<bool>, mut round: F)
 where
@@ -41,10 +53,10 @@ where
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = ticker.tick() => round().await,
-            _ = stop.changed() => return,
+            _ = ticker.tick() => {}
+            _ = stop.changed() => {}
         }
-        if *stop.borrow() {
+        if until_stopped(&mut stop, round()).await.is_none() {
             return;
         }
     }
@@ -65,11 +77,11 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
             () = state.registry.probe_requested() => {}
             _ = stop.changed() => return,
         }
-        if *stop.borrow() {
-            return;
-        }
         let workers = state.registry.workers();
-        let results = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout))).await;
+        let probes = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout)));
+        let Some(results) = until_stopped(&mut stop, probes).await else {
+            return;
+        };
         last_ok.retain(|id, _| workers.iter().any(|w| w.id == *id));
         let now_us = crate::clock::now_us();
         for (w, result) in workers.iter().zip(results) {
@@ -105,7 +117,7 @@ async fn pending_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
             _ = ticker.tick() => {}
             _ = stop.changed() => return,
         }
-        if *stop.borrow() || state.add_pending_workers().await == 0 {
+        if until_stopped(&mut stop, state.add_pending_workers()).await.unwrap_or(0) == 0 {
             return;
         }
     }

@@ -9,7 +9,7 @@
 //!
 //! 1. Shared names and plain values, importing nothing of the crate: [`crate::names`] (the request-id header, the
 //!    limits of a request head), [`crate::config`], [`crate::error`], [`crate::clock`], [`crate::tls`],
-//!    [`crate::response_homes`].
+//!    [`crate::response_homes`], [`crate::drain_deadline`].
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
@@ -27,6 +27,7 @@ pub mod access;
 pub mod body;
 pub mod clock;
 pub mod config;
+pub mod drain_deadline;
 pub mod error;
 pub mod health;
 pub mod kv_events;

@@ -46,6 +46,7 @@ use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 use crate::config::ServerConfig;
+use crate::drain_deadline::DrainDeadline;
 use crate::error::ApiError;
 use crate::parse_errors::JsonParseErrors;
 
@@ -60,6 +61,8 @@ const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
 const LOG_EVERY: Duration = Duration::from_secs(5);
 /// After the drain deadline, how long the connections still open get to close before `serve` returns anyway.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// At the drain deadline, how long a connection gets to write the end of a stream cut there.
+const CUT_WRITE: Duration = Duration::from_millis(100);
 /// File descriptors the gateway needs besides client and upstream connections (logs, the runtime, health probes).
 const FD_RESERVE: u64 = 64;
 /// `EMFILE` and `ENFILE` (the same numbers on Linux and the BSDs).
@@ -91,6 +94,7 @@ pub async fn run(
     router: Router,
     config: &ServerConfig,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    deadline: &DrainDeadline,
     shutdown: impl Future<Output = ()>,
 ) -> io::Result<()> {
     warn_if_short_of_fds(config);
@@ -148,7 +152,7 @@ pub async fn run(
         tokio::spawn(task);
     }
     drop(listener);
-    drain(&phase, &slots, config).await;
+    drain(&phase, &slots, config, deadline).await;
     Ok(())
 }
 
@@ -171,7 +175,7 @@ async fn free_slot(slots: &Arc<Semaphore>, shared: &Shared, max: u32, log: &mut 
 }
 
 /// Closes idle connections now, gives the others `drain_timeout` to finish their request, then closes them.
-async fn drain(phase: &watch::Sender<Phase>, slots: &Semaphore, config: &ServerConfig) {
+async fn drain(phase: &watch::Sender<Phase>, slots: &Semaphore, config: &ServerConfig, cut: &DrainDeadline) {
     let max = config.max_connections;
     let open = |slots: &Semaphore| max as usize - slots.available_permits();
     tracing::info!(
@@ -187,6 +191,8 @@ async fn drain(phase: &watch::Sender<Phase>, slots: &Semaphore, config: &ServerC
             drain_timeout_ms = config.drain_timeout_ms,
             "drain deadline reached: closing the connections still open"
         );
+        // Streams end with an error event, then their connections close.
+        cut.fire();
         phase.send_replace(Phase::Closing);
         let _ = tokio::time::timeout(CLOSE_GRACE, slots.acquire_many(max)).await;
     }
@@ -266,16 +272,24 @@ async fn serve_stream<S>(
                     return;
                 }
             }
-            Ok(()) = phase.changed() => match *phase.borrow_and_update() {
-                Phase::Serving => {}
-                Phase::Draining => {
-                    if activity.idle_for(Instant::now()).is_some() {
+            Ok(()) = phase.changed() => {
+                // Copied out: the guard must not live across the await below.
+                let now = *phase.borrow_and_update();
+                match now {
+                    Phase::Serving => {}
+                    Phase::Draining => {
+                        if activity.idle_for(Instant::now()).is_some() {
+                            return;
+                        }
+                        conn.as_mut().graceful_shutdown();
+                    }
+                    Phase::Closing => {
+                        // A stream still open is ending with an error event (`body.rs`): a moment to write it.
+                        let _ = tokio::time::timeout(CUT_WRITE, conn.as_mut()).await;
                         return;
                     }
-                    conn.as_mut().graceful_shutdown();
                 }
-                Phase::Closing => return,
-            },
+            }
         }
     }
 }
@@ -644,7 +658,7 @@ mod tests {
             let shutdown = async {
                 let _ = stopped.await;
             };
-            run(listener, router, &config, None, shutdown).await
+            run(listener, router, &config, None, &DrainDeadline::default(), shutdown).await
         });
         let (local, reply, idle) = tokio::task::spawn_blocking(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -701,7 +715,17 @@ mod tests {
             header_read_timeout_ms: 300,
             ..ServerConfig::default()
         };
-        tokio::spawn(async move { run(listener, router, &config, Some(acceptor), std::future::pending()).await });
+        tokio::spawn(async move {
+            run(
+                listener,
+                router,
+                &config,
+                Some(acceptor),
+                &DrainDeadline::default(),
+                std::future::pending(),
+            )
+            .await
+        });
 
         let mut roots = rustls::RootCertStore::empty();
         roots.add(cert.der().clone()).unwrap();

@@ -436,6 +436,7 @@ fn relay(
         timing,
         exchange.clone(),
     );
+    let body = body.cut_at(&state.drain_deadline);
     let body = if remember {
         body.remembering_the_response(Arc::clone(&state.responses))
     } else {

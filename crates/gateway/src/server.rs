@@ -177,7 +177,8 @@ pub async fn serve(
     tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped));
     let config = state.config.server.clone();
     let tls = state.tls_acceptor.clone();
-    let served = listener::run(listener, router(state), &config, tls, shutdown).await;
+    let deadline = state.drain_deadline.clone();
+    let served = listener::run(listener, router(state), &config, tls, &deadline, shutdown).await;
     let _ = stop.send(true);
     for task in tasks {
         let _ = task.await;

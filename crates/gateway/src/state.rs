@@ -26,6 +26,8 @@ pub struct AppState {
     pub kv_feeds: crate::kv_events::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
     pub responses: Arc<crate::response_homes::ResponseHomes>,
+    /// Fired when the shutdown's drain deadline passes: streams still open end with an error event.
+    pub drain_deadline: crate::drain_deadline::DrainDeadline,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
@@ -72,6 +74,7 @@ impl AppState {
             responses: Arc::new(crate::response_homes::ResponseHomes::new(
                 crate::response_homes::REMEMBERED,
             )),
+            drain_deadline: Default::default(),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
             adding: Mutex::new(()),
