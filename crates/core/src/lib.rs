@@ -12,6 +12,7 @@ pub mod engine_blocks;
 pub mod error;
 pub mod hashing;
 pub mod kv_events;
+pub mod kv_feed;
 pub mod load;
 pub mod policy;
 pub mod prefix_key;

@@ -5,7 +5,7 @@
 //! hashes ([`EngineBlocks`]) and hands the changes to the policies that may route to the endpoint (the default one
 //! and each of its worker's models'), which `cache_aware` applies ([`dprouter_core::policy::Policy::engine_cache`]).
 //!
-//! Sequence numbers are checked ([`classify`]): a batch after a gap is preceded by a replay of the missing ones
+//! Sequence numbers are checked ([`kv_feed::classify`]): a batch after a gap is preceded by a replay of the missing ones
 //! from the worker's replay endpoint when one is configured. Events that are lost (a gap that cannot be filled, a
 //! batch that cannot be decoded: truncated, an unknown event type) or too many to follow put the endpoint back in
 //! approximate mode (`Untracked`: its index entries stay, as guesses, and its decisions are no longer provisional)
@@ -38,8 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dprouter_core::engine_blocks::{CacheChange, EngineBlocks, FollowError};
+use dprouter_core::engine_blocks::CacheChange;
 use dprouter_core::kv_events::{decode_batch, EventBatch};
+use dprouter_core::kv_feed::{self, Verdict};
 use dprouter_core::{EndpointId, PolicyConfig};
 use serde::Serialize;
 use tokio::net::{TcpListener, TcpStream};
@@ -207,8 +208,7 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<
             publisher,
             shape,
             replay,
-            blocks: EngineBlocks::new(block_tokens, MAX_ENGINE_BLOCKS),
-            last: None,
+            follow: kv_feed::Feed::new(block_tokens, MAX_ENGINE_BLOCKS),
         };
         feed.status(|_| {});
         feeds.insert(target.id, tokio::spawn(feed.run()));
@@ -230,46 +230,8 @@ struct Feed {
     publisher: String,
     shape: Shape,
     replay: Option<String>,
-    blocks: EngineBlocks,
-    /// The last sequence number applied, and its batch's time.
-    last: Option<(u64, f64)>,
-}
-
-/// What to do with a batch, given the last one applied.
-#[derive(Debug, Clone, Copy, PartialEq)]
-enum Verdict {
-    Apply,
-    /// Already applied (a replay and the live stream overlap).
-    Duplicate,
-    /// The engine restarted: its cache is empty; its batches from 0 are replayed, then this one applies.
-    Restart,
-    /// The first batch seen, not the engine's first: the earlier ones are replayed first, if the engine has them.
-    Join,
-    /// Batches `from..to` were missed: replay them first.
-    Gap {
-        from: u64,
-        to: u64,
-    },
-}
-
-/// Checks a batch's sequence number `seq` and time `ts` against the last batch applied.
-fn classify(last: Option<(u64, f64)>, seq: u64, ts: f64) -> Verdict {
-    match last {
-        None if seq > 0 => Verdict::Join,
-        None => Verdict::Apply,
-        Some((last, last_ts)) if seq <= last => {
-            if ts > last_ts {
-                Verdict::Restart
-            } else {
-                Verdict::Duplicate
-            }
-        }
-        Some((last, _)) if seq > last + 1 => Verdict::Gap {
-            from: last + 1,
-            to: seq,
-        },
-        Some(_) => Verdict::Apply,
-    }
+    /// The batches' sequence and the engine blocks, followed.
+    follow: kv_feed::Feed,
 }
 
 impl Feed {
@@ -283,9 +245,9 @@ impl Feed {
             ..FeedStatus::default()
         });
         f(status);
-        status.engine_blocks = self.blocks.len();
-        status.router_blocks = self.blocks.router_blocks();
-        status.last_seq = self.last.map(|(seq, _)| seq);
+        status.engine_blocks = self.follow.engine_blocks();
+        status.router_blocks = self.follow.router_blocks();
+        status.last_seq = self.follow.last().map(|(seq, _)| seq);
     }
 
     fn count(&self, kind: &'static str) {
@@ -297,26 +259,14 @@ impl Feed {
             .increment(n);
     }
 
-    /// Hands a change to every policy that may route to the endpoint.
-    fn deliver(&self, change: &CacheChange) {
-        let now = crate::clock::now_us();
-        let policies = &self.parts.policies;
-        policies.default_policy().engine_cache(self.endpoint, change, now);
-        for model in &self.models {
-            policies.for_model(Some(model)).engine_cache(self.endpoint, change, now);
-        }
-    }
-
     /// The engine's cache is empty (it restarted): so is the endpoint's index.
     fn clear(&mut self) {
-        self.blocks.clear();
-        self.deliver(&CacheChange::Cleared);
+        self.follow.clear(deliver(&self.parts, self.endpoint, &self.models));
     }
 
     /// Events were lost: the endpoint is approximate until the next stored blocks, followed afresh.
     fn untrack(&mut self) {
-        self.blocks.clear();
-        self.deliver(&CacheChange::Untracked);
+        self.follow.untrack(deliver(&self.parts, self.endpoint, &self.models));
         self.status(|s| s.precise = false);
     }
 
@@ -373,7 +323,7 @@ impl Feed {
     /// A publisher is attached: catch up with what the engine published before (or while) the feed was away, as
     /// far as its replay reaches, and tell a restarted engine from the same one; then the feed is connected.
     async fn attached(&mut self) {
-        match self.last {
+        match self.follow.last() {
             None => {
                 self.replay_range(0, u64::MAX).await;
             }
@@ -420,7 +370,7 @@ impl Feed {
         self.count("restart");
         self.status(|s| s.restarts += 1);
         self.clear();
-        self.last = None;
+        self.follow.forget_sequence();
         if seq > 0 {
             self.replay_range(0, seq).await;
         }
@@ -435,12 +385,11 @@ impl Feed {
                 self.count("decode");
                 self.status(|s| s.decode_errors += 1);
                 self.untrack();
-                let ts = self.last.map_or(0.0, |(_, ts)| ts);
-                self.last = Some((seq, ts));
+                self.follow.skip(seq);
                 return;
             }
         };
-        match classify(self.last, seq, batch.ts) {
+        match self.follow.verdict(seq, batch.ts) {
             Verdict::Apply => {}
             Verdict::Duplicate => return,
             Verdict::Restart => {
@@ -463,34 +412,25 @@ impl Feed {
     }
 
     fn apply(&mut self, seq: u64, batch: &EventBatch) {
-        self.last = Some((seq, batch.ts));
-        let (mut orphans, mut overflow) = (0, false);
-        for event in &batch.events {
-            match self.blocks.apply(event) {
-                Ok(Some(change)) => {
-                    self.deliver(&change);
-                    if !matches!(change, CacheChange::Untracked) {
-                        self.status(|s| s.precise = true);
-                    }
-                }
-                Ok(None) => {}
-                Err(FollowError::Orphan) => orphans += 1,
-                Err(FollowError::TooMany(_)) => overflow = true,
-            }
+        let applied = self
+            .follow
+            .apply(seq, batch, deliver(&self.parts, self.endpoint, &self.models));
+        if applied.precise {
+            self.status(|s| s.precise = true);
         }
-        if overflow {
+        if applied.overflow {
             tracing::warn!(endpoint = %self.endpoint, max = MAX_ENGINE_BLOCKS, "KV events: too many engine blocks to follow: approximate mode");
             self.count("overflow");
-            self.untrack();
+            self.status(|s| s.precise = false);
         }
-        if orphans > 0 {
-            self.count_n("orphan", orphans);
+        if applied.orphans > 0 {
+            self.count_n("orphan", applied.orphans);
         }
         metrics::counter!(telemetry::KV_EVENT_BATCHES, "endpoint" => self.endpoint.to_string()).increment(1);
         self.status(|s| {
             s.batches += 1;
-            s.orphans += orphans;
-            s.overflows += u64::from(overflow);
+            s.orphans += applied.orphans;
+            s.overflows += u64::from(applied.overflow);
         });
     }
 
@@ -531,7 +471,7 @@ impl Feed {
         for (seq, payload) in batches.into_iter().filter(|(s, _)| *s >= from) {
             n += 1;
             match decode_batch(&payload) {
-                Ok(batch) if classify(self.last, seq, batch.ts) != Verdict::Duplicate => self.apply(seq, &batch),
+                Ok(batch) if self.follow.verdict(seq, batch.ts) != Verdict::Duplicate => self.apply(seq, &batch),
                 Ok(_) => {}
                 Err(_) => {
                     self.count("decode");
@@ -543,6 +483,20 @@ impl Feed {
         }
         self.status(|s| s.replayed_batches += n);
         true
+    }
+}
+
+/// Hands each change to every policy that may route to `endpoint`: the default one, and its models'.
+fn deliver<'a>(parts: &'a FeedParts, endpoint: EndpointId, models: &'a [String]) -> impl FnMut(&CacheChange) + 'a {
+    move |change| {
+        let now = crate::clock::now_us();
+        parts.policies.default_policy().engine_cache(endpoint, change, now);
+        for model in models {
+            parts
+                .policies
+                .for_model(Some(model))
+                .engine_cache(endpoint, change, now);
+        }
     }
 }
 
@@ -702,25 +656,6 @@ mod tests {
         assert!(socket2::SockRef::from(&same).keepalive().unwrap());
         drop(publisher);
         pumping.await.unwrap();
-    }
-
-    #[test]
-    fn sequences_tell_gaps_duplicates_and_restarts() {
-        assert_eq!(classify(None, 0, 1.0), Verdict::Apply);
-        assert_eq!(classify(None, 5, 1.0), Verdict::Join);
-        assert_eq!(classify(Some((4, 1.0)), 5, 1.0), Verdict::Apply);
-        assert_eq!(classify(Some((4, 1.0)), 9, 2.0), Verdict::Gap { from: 5, to: 9 });
-        assert_eq!(
-            classify(Some((9, 2.0)), 7, 1.5),
-            Verdict::Duplicate,
-            "an older batch seen again"
-        );
-        assert_eq!(classify(Some((9, 2.0)), 9, 2.0), Verdict::Duplicate);
-        assert_eq!(
-            classify(Some((9, 2.0)), 0, 3.0),
-            Verdict::Restart,
-            "numbered from 0 again, and newer"
-        );
     }
 
     #[test]
