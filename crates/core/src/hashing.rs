@@ -103,6 +103,15 @@ pub fn block_hashes(prompt: &Prompt, block: usize, out: &mut Vec<u64>) {
     }
 }
 
+/// `key` in a cache namespace: requests in different namespaces (SGLang's `extra_key`, vLLM's `cache_salt`, a LoRA
+/// adapter) never share an engine's cache, so their keys must not meet; `None` is the plain namespace, unchanged.
+pub fn namespaced(key: u64, namespace: Option<u64>) -> u64 {
+    match namespace {
+        None => key,
+        Some(ns) => mix64(key ^ mix64(ns ^ 0x6e61_6d65_7370_6163)),
+    }
+}
+
 /// The chained hash of one block of token ids after the block hashed to `seed` (0 before the first block), as
 /// [`block_hashes`] computes it.
 pub fn token_block_hash(seed: u64, tokens: &[u32]) -> u64 {

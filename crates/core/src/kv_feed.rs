@@ -12,6 +12,11 @@
 use crate::engine_blocks::{CacheChange, EngineBlocks, FollowError};
 use crate::kv_events::{decode_batch, DecodeError, EventBatch};
 
+/// Engine blocks followed per endpoint at most: 16M tokens of vLLM's 16-token blocks, 1M of SGLang's one-token
+/// pages (a large rank's whole cache). An engine block costs 170 to 340 bytes in the follower and 270 to 630 with
+/// one policy's index (`tests/follow_memory.rs`): at most about 660 MB per endpoint at the cap.
+pub const MAX_ENGINE_BLOCKS: usize = 1 << 20;
+
 /// What to do with a batch, given the last one applied.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Verdict {

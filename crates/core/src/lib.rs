@@ -7,6 +7,7 @@
 pub mod block_index;
 mod chat;
 pub mod config;
+pub mod dp_router;
 pub mod endpoint;
 pub mod engine_blocks;
 pub mod error;

@@ -55,6 +55,12 @@ pub struct RouteRequest {
     /// with the same one prefer the same endpoint under the cache-aware policies (`prefix_affinity` keys on it,
     /// `cache_aware` places its cold requests by it). SGLang's methods ignore it.
     pub session: Option<u64>,
+    /// The cache namespace the request's prompt is cached in, hashed ([`crate::hashing::namespaced`]); `None` is
+    /// the plain one. Prompts in different namespaces share no keys.
+    pub namespace: Option<u64>,
+    /// Decide without recording the decision (a query: which rank would take the request now?): the round-robin
+    /// turn does not advance and `cache_aware`'s index records nothing.
+    pub dry_run: bool,
 }
 
 impl RouteRequest {
@@ -67,6 +73,8 @@ impl RouteRequest {
             bootstrap_room: None,
             now_us: 0,
             session: None,
+            namespace: None,
+            dry_run: false,
         }
     }
 
@@ -91,6 +99,12 @@ impl RouteRequest {
     /// The request with the session hint `key` (hashed).
     pub fn with_session(mut self, key: &str) -> Self {
         self.session = Some(session_hash(key));
+        self
+    }
+
+    /// The request in the cache namespace `key` (hashed).
+    pub fn with_namespace(mut self, key: &str) -> Self {
+        self.namespace = Some(xxhash_rust::xxh3::xxh3_64_with_seed(key.as_bytes(), 0x6e5));
         self
     }
 

@@ -53,10 +53,7 @@ use crate::registry::Registry;
 use crate::telemetry;
 use crate::zmtp;
 
-/// Engine blocks followed per endpoint at most: 16M tokens of vLLM's 16-token blocks, 1M of SGLang's one-token
-/// pages (a large rank's whole cache). An engine block costs 170 to 340 bytes here and 270 to 630 with one policy's
-/// index (`crates/core/tests/follow_memory.rs`): at most about 660 MB per endpoint at the cap.
-pub const MAX_ENGINE_BLOCKS: usize = 1 << 20;
+pub use dprouter_core::kv_feed::MAX_ENGINE_BLOCKS;
 /// How long a replay may take.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Pause before reconnecting to a publisher.

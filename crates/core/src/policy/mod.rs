@@ -335,6 +335,52 @@ mod tests {
     use crate::config::PolicyConfig;
 
     #[test]
+    fn cache_namespaces_share_no_keys() {
+        let snap = Snapshot::single_worker(64);
+        let prompts: Vec<Vec<u32>> = (0..32u32).map(|i| (0..300).map(|t| i * 1_000 + t).collect()).collect();
+        for name in ["prefix_match", "prefix_affinity", "cache_aware"] {
+            let policy = PolicyConfig::from_name(name).unwrap().build();
+            let mut moved = 0;
+            for prompt in &prompts {
+                let plain = RouteRequest::tokens(prompt.clone());
+                let a = route(policy.as_ref(), &snap, &plain.clone().with_namespace("a")).unwrap();
+                let again = route(policy.as_ref(), &snap, &plain.clone().with_namespace("a")).unwrap();
+                let b = route(policy.as_ref(), &snap, &plain.with_namespace("b")).unwrap();
+                assert_eq!(a.rank, again.rank, "{name}: one namespace, one rank");
+                moved += usize::from(a.rank != b.rank);
+            }
+            // Over 64 ranks two unrelated keys meet 1 time in 64.
+            assert!(
+                moved >= 28,
+                "{name}: only {moved} of 32 prompts moved with their namespace"
+            );
+        }
+        // Under cache_aware a namespace's cached prefix is a hit there only.
+        let policy = PolicyConfig::from_name("cache_aware").unwrap().build();
+        let first = dispatch(
+            policy.as_ref(),
+            &snap,
+            RouteRequest::tokens(prompts[0].clone()).with_namespace("a"),
+        )
+        .unwrap();
+        drop(first);
+        let same = route(
+            policy.as_ref(),
+            &snap,
+            &RouteRequest::tokens(prompts[0].clone()).with_namespace("a"),
+        )
+        .unwrap();
+        let other = route(
+            policy.as_ref(),
+            &snap,
+            &RouteRequest::tokens(prompts[0].clone()).with_namespace("b"),
+        )
+        .unwrap();
+        assert_eq!(same.branch, Branch::Hit);
+        assert_eq!(other.branch, Branch::Cold);
+    }
+
+    #[test]
     fn a_session_hint_keeps_a_session_together_and_sessions_apart() {
         for name in ["prefix_affinity", "cache_aware"] {
             let policy = PolicyConfig::from_name(name).unwrap().build();

@@ -132,10 +132,12 @@ impl Policy for PrefixAffinity {
     fn choose(&self, c: &Candidates<'_>, req: &RouteRequest, _prepared: &Prepared) -> Result<Pick, RouteError> {
         let snap = c.snap();
         if req.prompt.is_empty() {
-            return self.empty.next(c, Branch::Empty);
+            return self.empty.next(c, req, Branch::Empty);
         }
         // A session hint keys the whole session, whatever its prompts.
-        let key = req.session.unwrap_or_else(|| self.key(&req.prompt));
+        let key = req
+            .session
+            .unwrap_or_else(|| crate::hashing::namespaced(self.key(&req.prompt), req.namespace));
         let measure = self.config.load;
         let score = |r: usize| rendezvous_score(key, snap.endpoints()[r].id);
         // (score, load) of every healthy endpoint, in rank order.

@@ -38,10 +38,11 @@ impl Policy for PrefixMatch {
         _prepared: &Prepared,
     ) -> Result<Pick, RouteError> {
         if req.prompt.is_empty() {
-            return self.empty.next(candidates, Branch::Empty);
+            return self.empty.next(candidates, req, Branch::Empty);
         }
         let n = candidates.snap().len();
-        let home = (self.window.key(&req.prompt) % n as u64) as usize;
+        let key = crate::hashing::namespaced(self.window.key(&req.prompt), req.namespace);
+        let home = (key % n as u64) as usize;
         if candidates.contains(home) {
             return Ok(Pick::new(home, Branch::Hashed));
         }

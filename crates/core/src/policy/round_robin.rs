@@ -16,13 +16,23 @@ pub struct RoundRobin {
 }
 
 impl RoundRobin {
-    /// The next turn among the healthy endpoints, labelled `branch`. Shared by policies that fall back to it.
-    pub(crate) fn next(&self, candidates: &Candidates<'_>, branch: Branch) -> Result<Pick, RouteError> {
+    /// The next turn among the healthy endpoints, labelled `branch`; it advances unless `req` is a dry run.
+    /// Shared by policies that fall back to it.
+    pub(crate) fn next(
+        &self,
+        candidates: &Candidates<'_>,
+        req: &RouteRequest,
+        branch: Branch,
+    ) -> Result<Pick, RouteError> {
         let n = candidates.count();
         if n == 0 {
             return Err(RouteError::NoHealthyEndpoint);
         }
-        let turn = self.counter.fetch_add(1, Relaxed);
+        let turn = if req.dry_run {
+            self.counter.load(Relaxed)
+        } else {
+            self.counter.fetch_add(1, Relaxed)
+        };
         let slot = (turn % n as u64) as usize;
         candidates
             .nth(slot)
@@ -39,10 +49,10 @@ impl Policy for RoundRobin {
     fn choose(
         &self,
         candidates: &Candidates<'_>,
-        _req: &RouteRequest,
+        req: &RouteRequest,
         _prepared: &Prepared,
     ) -> Result<Pick, RouteError> {
-        self.next(candidates, Branch::Turn)
+        self.next(candidates, req, Branch::Turn)
     }
 }
 

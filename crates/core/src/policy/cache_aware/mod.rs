@@ -339,14 +339,18 @@ impl Policy for CacheAware {
     }
 
     fn prepare(&self, req: &RouteRequest) -> Prepared {
-        Prepared {
-            block_hashes: self.hashes(&req.prompt),
+        let mut block_hashes = self.hashes(&req.prompt);
+        if req.namespace.is_some() {
+            for h in &mut block_hashes {
+                *h = crate::hashing::namespaced(*h, req.namespace);
+            }
         }
+        Prepared { block_hashes }
     }
 
     fn choose(&self, c: &Candidates<'_>, req: &RouteRequest, prepared: &Prepared) -> Result<Pick, RouteError> {
         if req.prompt.is_empty() {
-            return self.empty.next(c, Branch::Empty);
+            return self.empty.next(c, req, Branch::Empty);
         }
         let snap = c.snap();
         let hashes = &prepared.block_hashes;
@@ -356,7 +360,7 @@ impl Policy for CacheAware {
             hashes
                 .first()
                 .copied()
-                .unwrap_or_else(|| prefix_hash(&req.prompt, usize::MAX))
+                .unwrap_or_else(|| crate::hashing::namespaced(prefix_hash(&req.prompt, usize::MAX), req.namespace))
         });
         // One lock for the look-up, the choice and the record of where the prompt went.
         let mut state = self.lock();
@@ -481,6 +485,14 @@ impl Policy for CacheAware {
             .map(|(_, chosen)| chosen)
             .ok_or(RouteError::NoHealthyEndpoint)?;
         let slot = state.slot_of_rank[rank];
+        let branch = match (best_match, blocks) {
+            (0, _) => Branch::Cold,
+            (best, got) if got == best => Branch::Hit,
+            _ => Branch::Spill,
+        };
+        if req.dry_run {
+            return Ok(Pick::new(rank, branch).with_prefill(uncached));
+        }
         state.recent.record(slot, req.now_us, half_life_us);
         if sessions > 0 {
             let service = self.prefill_us(1, uncached);
@@ -502,11 +514,6 @@ impl Policy for CacheAware {
             state.index.record(slot, hashes);
             state.provisional(slot, hashes, req.now_us + self.config.event_grace_ms * 1000);
         }
-        let branch = match (best_match, blocks) {
-            (0, _) => Branch::Cold,
-            (best, got) if got == best => Branch::Hit,
-            _ => Branch::Spill,
-        };
         Ok(Pick::new(rank, branch).with_prefill(uncached).with_matched(matched))
     }
 

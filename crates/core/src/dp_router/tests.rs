@@ -1,0 +1,229 @@
+use super::*;
+
+fn prompt(seed: u32, len: usize) -> Vec<u32> {
+    (0..len as u32)
+        .map(|i| seed.wrapping_mul(7_919) ^ i.wrapping_mul(2_654_435_761))
+        .collect()
+}
+
+fn with_id(id: &str) -> PickOptions<'_> {
+    PickOptions {
+        request_id: Some(id),
+        ..PickOptions::default()
+    }
+}
+
+#[test]
+fn specs_ranks_and_options_are_checked_with_the_cores_messages() {
+    assert!(DpRouter::new("cache_aware:prefill_tokens_per_s=12000", 8, TicketLimits::default()).is_ok());
+    let err = DpRouter::new("nope", 8, TicketLimits::default()).unwrap_err();
+    assert!(
+        matches!(err, DpRouterError::Policy(ref m) if m.contains("nope")),
+        "{err}"
+    );
+    let err = DpRouter::new("cache_aware:block_tokens=0", 8, TicketLimits::default()).unwrap_err();
+    assert!(err.to_string().contains("block_tokens"), "{err}");
+    assert_eq!(
+        DpRouter::new("round_robin", 0, TicketLimits::default()).unwrap_err(),
+        DpRouterError::NumRanks(0)
+    );
+    let mut router = DpRouter::new("round_robin", 4, TicketLimits::default()).unwrap();
+    let pinned = PickOptions {
+        routed_rank: Some(4),
+        ..PickOptions::default()
+    };
+    let err = router.pick(vec![1], &pinned, 0).unwrap_err();
+    assert_eq!(err.to_string(), "DP rank 4 is out of range: there are 4 ranks (0..4)");
+    assert!(router.report_load(-1, 0, 0, 0, 1).is_err());
+    let none = PickOptions {
+        eligible: Some(&[]),
+        ..PickOptions::default()
+    };
+    assert!(matches!(router.pick(vec![1], &none, 0), Err(DpRouterError::NoEligible)));
+}
+
+#[test]
+fn same_prefix_requests_gather_and_a_pinned_rank_wins() {
+    for spec in ["prefix_match", "cache_aware", "prefix_affinity"] {
+        let mut router = DpRouter::new(spec, 8, TicketLimits::default()).unwrap();
+        // A system prompt of whole windows (prefix_match hashes the first 4,096 tokens).
+        let system = prompt(1, 4_096);
+        let ranks: Vec<usize> = (0..6)
+            .map(|turn| {
+                let tokens = [&system[..], &prompt(100 + turn, 50)[..]].concat();
+                router
+                    .pick(tokens, &PickOptions::default(), turn as u64 * 1_000)
+                    .unwrap()
+                    .rank
+            })
+            .collect();
+        assert!(ranks.windows(2).all(|w| w[0] == w[1]), "{spec}: {ranks:?}");
+        let pinned = PickOptions {
+            routed_rank: Some(((ranks[0] + 1) % 8) as i64),
+            ..PickOptions::default()
+        };
+        let d = router.pick(system.clone(), &pinned, 10_000).unwrap();
+        assert_eq!((d.rank, d.branch), ((ranks[0] + 1) % 8, Branch::Override), "{spec}");
+    }
+}
+
+#[test]
+fn inactive_and_ineligible_ranks_are_skipped() {
+    let mut router = DpRouter::new("round_robin", 4, TicketLimits::default()).unwrap();
+    router.set_active(1, false).unwrap();
+    let ranks: Vec<usize> = (0..6)
+        .map(|_| router.pick(vec![], &PickOptions::default(), 0).unwrap().rank)
+        .collect();
+    assert_eq!(ranks, [0, 2, 3, 0, 2, 3]);
+    let pinned = PickOptions {
+        routed_rank: Some(1),
+        ..PickOptions::default()
+    };
+    assert_eq!(
+        router.pick(vec![], &pinned, 0).unwrap_err().to_string(),
+        "DP rank 1 is not active (the endpoint is down)"
+    );
+    let only_three = PickOptions {
+        eligible: Some(&[3]),
+        ..PickOptions::default()
+    };
+    assert_eq!(router.pick(vec![], &only_three, 0).unwrap().rank, 3);
+    router.set_active(1, true).unwrap();
+    assert!(router.is_active(1));
+}
+
+#[test]
+fn load_reports_move_requests_away_from_a_loaded_rank() {
+    let mut router = DpRouter::new("total_tokens", 2, TicketLimits::default()).unwrap();
+    // Rank 0 reports a long queue; rank 1 idles.
+    router.report_load(0, 8, 40, 300_000, 1).unwrap();
+    router.report_load(1, 0, 0, 0, 1).unwrap();
+    let ranks: Vec<usize> = (0..8)
+        .map(|i| {
+            router
+                .pick(prompt(500 + i, 1_000), &PickOptions::default(), 0)
+                .unwrap()
+                .rank
+        })
+        .collect();
+    assert!(ranks.iter().all(|&r| r == 1), "{ranks:?}");
+    // A stale report changes nothing.
+    assert!(!router.report_load(1, 50, 50, 300_000, 1).unwrap());
+}
+
+#[test]
+fn best_rank_records_nothing() {
+    let mut router = DpRouter::new("cache_aware", 4, TicketLimits::default()).unwrap();
+    let tokens = prompt(9, 1_000);
+    let asked = router.best_rank(tokens.clone(), &PickOptions::default(), 0).unwrap();
+    let again = router.best_rank(tokens.clone(), &PickOptions::default(), 0).unwrap();
+    assert_eq!((asked.branch, again.branch), (Branch::Cold, Branch::Cold));
+    let picked = router.pick(tokens.clone(), &with_id("a"), 0).unwrap();
+    assert_eq!(picked.rank, asked.rank);
+    assert!(router.finish("a", 1_000, 0));
+    let after = router.best_rank(tokens, &PickOptions::default(), 0).unwrap();
+    assert_eq!((after.rank, after.branch), (picked.rank, Branch::Hit));
+    assert!(after.predicted_cached_tokens > 900, "{after:?}");
+    // Round-robin's turn does not advance on a query.
+    let mut rr = DpRouter::new("round_robin", 4, TicketLimits::default()).unwrap();
+    assert_eq!(rr.best_rank(vec![], &PickOptions::default(), 0).unwrap().rank, 0);
+    assert_eq!(rr.pick(vec![], &PickOptions::default(), 0).unwrap().rank, 0);
+    assert_eq!(rr.best_rank(vec![], &PickOptions::default(), 0).unwrap().rank, 1);
+}
+
+#[test]
+fn feedback_releases_the_load_and_unknown_ids_are_told() {
+    let mut router = DpRouter::new("total_requests", 2, TicketLimits::default()).unwrap();
+    let first = router.pick(vec![1, 2, 3], &with_id("a"), 0).unwrap().rank;
+    assert_eq!(router.endpoints()[first].load.in_flight_requests(), 1);
+    assert!(router.first_token("a", 10));
+    assert!(router.finish("a", 3, 0));
+    assert_eq!(router.endpoints()[first].load.in_flight_requests(), 0);
+    assert!(!router.finish("a", 3, 0), "finished once");
+    assert!(!router.first_token("zzz", 10));
+    router.pick(vec![1], &with_id("b"), 0).unwrap();
+    assert!(router.abort("b"));
+    assert_eq!(router.tickets(), 0);
+    // Without an id nothing is held.
+    router.pick(vec![1], &PickOptions::default(), 0).unwrap();
+    assert_eq!(router.tickets(), 0);
+}
+
+#[test]
+fn tickets_are_bounded_in_number_and_in_age() {
+    let limits = TicketLimits {
+        max_tickets: 10,
+        max_age_us: 1_000,
+    };
+    let mut router = DpRouter::new("total_requests", 2, limits).unwrap();
+    for i in 0..25 {
+        router.pick(vec![1], &with_id(&format!("r{i}")), 0).unwrap();
+    }
+    assert_eq!(router.tickets(), 10);
+    assert!(!router.abort("r14"), "the oldest were dropped");
+    assert!(router.abort("r15"));
+    let in_flight: u64 = router.endpoints().iter().map(|e| e.load.in_flight_requests()).sum();
+    assert_eq!(in_flight, 9);
+    // The same id again replaces its ticket; the rest age out.
+    router.pick(vec![1], &with_id("r16"), 0).unwrap();
+    router.pick(vec![1], &with_id("late"), 5_000).unwrap();
+    assert_eq!(router.tickets(), 1);
+    let in_flight: u64 = router.endpoints().iter().map(|e| e.load.in_flight_requests()).sum();
+    assert_eq!(in_flight, 1);
+    // Many ids issued again and again keep the order's entries bounded.
+    for i in 0..10_000 {
+        router.pick(vec![1], &with_id("same"), 5_000 + i).unwrap();
+    }
+    assert!(
+        router.order.len() <= 2 * router.tickets() + 65,
+        "{}",
+        router.order.len()
+    );
+}
+
+#[test]
+fn kv_events_make_a_rank_precise_and_a_restart_empties_it() {
+    use rmpv::Value;
+    let mut router = DpRouter::new("cache_aware:block_tokens=16", 2, TicketLimits::default()).unwrap();
+    let tokens = prompt(3, 64);
+    let stored = Value::Array(vec![
+        "BlockStored".into(),
+        Value::Array((1..=4u64).map(Value::from).collect()),
+        Value::Nil,
+        Value::Array(tokens.iter().map(|&t| Value::from(t)).collect()),
+        Value::from(16),
+        Value::Nil,
+    ]);
+    let encode = |ts: f64, events: Vec<Value>| {
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::F64(ts), Value::Array(events)])).unwrap();
+        out
+    };
+    let outcome = router.apply_kv_events(1, 0, &encode(1.0, vec![stored]), 0).unwrap();
+    assert!(matches!(outcome, Received::Applied(_)), "{outcome:?}");
+    let d = router
+        .best_rank([&tokens[..], &[7, 7, 7]].concat(), &PickOptions::default(), 0)
+        .unwrap();
+    assert_eq!((d.rank, d.branch, d.predicted_cached_tokens), (1, Branch::Hit, 64));
+    // The engine restarted: numbered from 0 again, later, holding nothing.
+    let outcome = router.apply_kv_events(1, 0, &encode(2.0, vec![]), 0).unwrap();
+    assert!(matches!(outcome, Received::Restarted(_)), "{outcome:?}");
+    let d = router
+        .best_rank([&tokens[..], &[7, 7, 7]].concat(), &PickOptions::default(), 0)
+        .unwrap();
+    assert_eq!((d.branch, d.predicted_cached_tokens), (Branch::Cold, 0));
+    assert!(matches!(
+        router.apply_kv_events(1, 1, b"\xc1", 0).unwrap(),
+        Received::Undecodable(_)
+    ));
+    assert!(router.apply_kv_events(2, 0, b"", 0).is_err());
+}
+
+#[test]
+fn prefix_match_rank_is_the_policys_choice() {
+    let tokens = prompt(11, 4_000);
+    let mut router = DpRouter::new("prefix_match", 8, TicketLimits::default()).unwrap();
+    let via_router = router.pick(tokens.clone(), &PickOptions::default(), 0).unwrap().rank;
+    assert_eq!(prefix_match_rank(tokens, 8).unwrap(), via_router);
+    assert!(prefix_match_rank(vec![1], 0).is_err());
+}
