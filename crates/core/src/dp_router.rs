@@ -314,25 +314,29 @@ impl DpRouter {
         }
     }
 
-    /// The request's first token came at `now_us`: its queued-prefill share is released. `false` if the router
-    /// holds no ticket by that id.
-    pub fn first_token(&mut self, request_id: &str, now_us: u64) -> bool {
-        self.tickets
-            .get_mut(request_id)
-            .map(|h| h.ticket.first_token(now_us))
-            .is_some()
+    /// The request's first token came at `now_us`: its queued-prefill share is released; with the engine's
+    /// `usage` (vLLM reports its cached tokens with the first token), the policy learns what the rank had cached.
+    /// `false` if the router holds no ticket by that id.
+    pub fn first_token(&mut self, request_id: &str, now_us: u64, usage: Option<Usage>) -> bool {
+        let Some(held) = self.tickets.get_mut(request_id) else {
+            return false;
+        };
+        held.ticket.first_token(now_us);
+        if let Some(usage) = usage {
+            held.ticket.usage(usage);
+        }
+        true
     }
 
-    /// The request finished with the engine's usage: the policy learns what the rank had cached, and the
-    /// request's load is released. `false` if the router holds no ticket by that id.
-    pub fn finish(&mut self, request_id: &str, prompt_tokens: u64, cached_tokens: u64) -> bool {
+    /// The request finished: its load is released; with the engine's `usage`, unless an earlier call gave it, the
+    /// policy learns what the rank had cached. `false` if the router holds no ticket by that id.
+    pub fn finish(&mut self, request_id: &str, usage: Option<Usage>) -> bool {
         let Some(mut held) = self.tickets.remove(request_id) else {
             return false;
         };
-        held.ticket.usage(Usage {
-            prompt_tokens,
-            cached_tokens,
-        });
+        if let Some(usage) = usage {
+            held.ticket.usage(usage);
+        }
         true
     }
 

@@ -120,7 +120,7 @@ fn best_rank_records_nothing() {
     assert_eq!((asked.branch, again.branch), (Branch::Cold, Branch::Cold));
     let picked = router.pick(tokens.clone(), &with_id("a"), 0).unwrap();
     assert_eq!(picked.rank, asked.rank);
-    assert!(router.finish("a", 1_000, 0));
+    assert!(router.finish("a", None));
     let after = router.best_rank(tokens, &PickOptions::default(), 0).unwrap();
     assert_eq!((after.rank, after.branch), (picked.rank, Branch::Hit));
     assert!(after.predicted_cached_tokens > 900, "{after:?}");
@@ -136,11 +136,11 @@ fn feedback_releases_the_load_and_unknown_ids_are_told() {
     let mut router = DpRouter::new("total_requests", 2, TicketLimits::default()).unwrap();
     let first = router.pick(vec![1, 2, 3], &with_id("a"), 0).unwrap().rank;
     assert_eq!(router.endpoints()[first].load.in_flight_requests(), 1);
-    assert!(router.first_token("a", 10));
-    assert!(router.finish("a", 3, 0));
+    assert!(router.first_token("a", 10, None));
+    assert!(router.finish("a", Some(Usage { prompt_tokens: 3, cached_tokens: 0 })));
     assert_eq!(router.endpoints()[first].load.in_flight_requests(), 0);
-    assert!(!router.finish("a", 3, 0), "finished once");
-    assert!(!router.first_token("zzz", 10));
+    assert!(!router.finish("a", None), "finished once");
+    assert!(!router.first_token("zzz", 10, None));
     router.pick(vec![1], &with_id("b"), 0).unwrap();
     assert!(router.abort("b"));
     assert_eq!(router.tickets(), 0);
@@ -226,4 +226,166 @@ fn prefix_match_rank_is_the_policys_choice() {
     let via_router = router.pick(tokens.clone(), &PickOptions::default(), 0).unwrap().rank;
     assert_eq!(prefix_match_rank(tokens, 8).unwrap(), via_router);
     assert!(prefix_match_rank(vec![1], 0).is_err());
+}
+
+/// The scripted run shared with the Python package's tests (`crates/python/tests/test_router.py`): the same
+/// operations, driven through the core here and through `dprouter.Router` there, must give the recorded ranks.
+/// `DPROUTER_RECORD=1` rewrites the file from this scenario.
+mod scripted {
+    use super::*;
+    use serde_json::{json, Value};
+
+    const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/testdata/dp_router_script.jsonl");
+
+    /// A run of token ids: `len` of them from `seed` (the Python tests compute the same).
+    fn run(seed: u64, len: u64) -> Vec<u32> {
+        (0..len)
+            .map(|i| ((seed * 7_919 + i * 2_654_435_761) % 151_936) as u32)
+            .collect()
+    }
+
+    fn prompt(runs: &Value) -> Vec<u32> {
+        runs.as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| run(r[0].as_u64().unwrap(), r[1].as_u64().unwrap()))
+            .collect()
+    }
+
+    /// The operations, without their outcomes.
+    fn scenario() -> Vec<Value> {
+        let mut ops = Vec::new();
+        for (p, policy) in ["cache_aware", "prefix_match", "prefix_affinity", "total_tokens", "round_robin"]
+            .iter()
+            .enumerate()
+        {
+            ops.push(json!({"op": "router", "policy": policy, "num_ranks": 4}));
+            let mut now = 0u64;
+            let mut history: Vec<Vec<[u64; 2]>> = (0..6u64).map(|a| vec![[1, 700], [100 + a, 40]]).collect();
+            for turn in 0..4u64 {
+                for agent in 0..6u64 {
+                    now += 50_000;
+                    let id = format!("p{p}a{agent}t{turn}");
+                    let runs = history[agent as usize].clone();
+                    let mut op = json!({"op": "pick", "prompt": runs, "id": id, "now_us": now});
+                    if agent == 5 && turn == 2 {
+                        op["routed_rank"] = json!(2);
+                    }
+                    ops.push(op);
+                    let len: u64 = runs.iter().map(|r| r[1]).sum();
+                    ops.push(json!({"op": "first_token", "id": id, "now_us": now + 20_000,
+                        "prompt_tokens": len, "cached_tokens": if turn == 0 { 0 } else { len - 60 }}));
+                    if agent % 2 == 0 {
+                        ops.push(json!({"op": "finish", "id": id}));
+                    }
+                    history[agent as usize].push([1_000 + agent * 10 + turn, 30 + 7 * turn]);
+                }
+                for rank in 0..4u64 {
+                    ops.push(json!({"op": "report_load", "rank": rank, "running": turn + rank,
+                        "waiting": rank % 2, "tokens": 1_000 * (rank + 1), "timestamp": turn + 1}));
+                }
+                if turn == 1 {
+                    ops.push(json!({"op": "set_active", "rank": 3, "active": false}));
+                }
+                if turn == 2 {
+                    ops.push(json!({"op": "set_active", "rank": 3, "active": true}));
+                }
+            }
+            for agent in (1..6).step_by(2) {
+                for turn in 0..4 {
+                    ops.push(json!({"op": "abort", "id": format!("p{p}a{agent}t{turn}")}));
+                }
+            }
+            ops.push(json!({"op": "best_rank", "prompt": [[1, 700], [100, 40]], "now_us": now + 1}));
+        }
+        ops
+    }
+
+    /// Applies `op` and returns what it gave.
+    fn apply(router: &mut Option<DpRouter>, op: &Value) -> Value {
+        let kind = op["op"].as_str().unwrap();
+        if kind == "router" {
+            *router = Some(
+                DpRouter::new(
+                    op["policy"].as_str().unwrap(),
+                    op["num_ranks"].as_u64().unwrap() as usize,
+                    TicketLimits::default(),
+                )
+                .unwrap(),
+            );
+            return Value::Null;
+        }
+        let r = router.as_mut().unwrap();
+        let id = op["id"].as_str();
+        let now = op["now_us"].as_u64().unwrap_or(0);
+        let decision = |d: Decision| json!([d.rank, d.branch.as_str(), d.predicted_cached_tokens]);
+        match kind {
+            "pick" | "best_rank" => {
+                let options = PickOptions {
+                    request_id: id,
+                    routed_rank: op["routed_rank"].as_i64(),
+                    ..PickOptions::default()
+                };
+                let tokens = prompt(&op["prompt"]);
+                let d = match kind {
+                    "pick" => r.pick(tokens, &options, now),
+                    _ => r.best_rank(tokens, &options, now),
+                };
+                decision(d.unwrap())
+            }
+            "first_token" => json!(r.first_token(
+                id.unwrap(),
+                now,
+                Some(Usage {
+                    prompt_tokens: op["prompt_tokens"].as_u64().unwrap(),
+                    cached_tokens: op["cached_tokens"].as_u64().unwrap(),
+                })
+            )),
+            "finish" => json!(r.finish(id.unwrap(), None)),
+            "abort" => json!(r.abort(id.unwrap())),
+            "report_load" => json!(r
+                .report_load(
+                    op["rank"].as_i64().unwrap(),
+                    op["running"].as_u64().unwrap(),
+                    op["waiting"].as_u64().unwrap(),
+                    op["tokens"].as_u64().unwrap(),
+                    op["timestamp"].as_u64().unwrap(),
+                )
+                .unwrap()),
+            "set_active" => {
+                r.set_active(op["rank"].as_i64().unwrap(), op["active"].as_bool().unwrap())
+                    .unwrap();
+                Value::Null
+            }
+            other => panic!("unknown op {other}"),
+        }
+    }
+
+    #[test]
+    fn the_scripted_run_gives_its_recorded_outcomes() {
+        if std::env::var_os("DPROUTER_RECORD").is_some() {
+            let mut router = None;
+            let lines: Vec<String> = scenario()
+                .into_iter()
+                .map(|mut op| {
+                    let got = apply(&mut router, &op);
+                    if !got.is_null() {
+                        op["expect"] = got;
+                    }
+                    op.to_string()
+                })
+                .collect();
+            std::fs::write(FILE, lines.join("\n") + "\n").unwrap();
+        }
+        let text = std::fs::read_to_string(FILE).unwrap();
+        let mut router = None;
+        let mut checked = 0;
+        for (n, line) in text.lines().enumerate() {
+            let op: Value = serde_json::from_str(line).unwrap();
+            let got = apply(&mut router, &op);
+            assert_eq!(got, op.get("expect").cloned().unwrap_or(Value::Null), "line {}: {line:.200}", n + 1);
+            checked += usize::from(op["op"] == "pick");
+        }
+        assert_eq!(checked, 5 * 24);
+    }
 }

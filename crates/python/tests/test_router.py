@@ -1,0 +1,212 @@
+"""The `dprouter` package's Router, from Python: the API, token id inputs, errors, and parity with the core.
+
+Run by `tests/python_package.rs` (with the wheel built from this clone on PYTHONPATH):
+`python -m unittest discover -s crates/python/tests`.
+"""
+
+import array
+import json
+import threading
+import unittest
+from pathlib import Path
+
+import dprouter
+
+TESTDATA = Path(__file__).resolve().parents[2] / "core" / "testdata"
+
+try:
+    import numpy
+except ImportError:  # the tests run with vLLM's Python, which has numpy; plain Pythons skip these
+    numpy = None
+
+
+def run(seed, length):
+    """A run of token ids, as the core's scripted test computes it."""
+    return [(seed * 7919 + i * 2654435761) % 151936 for i in range(length)]
+
+
+def prompt(runs):
+    return [t for seed, length in runs for t in run(seed, length)]
+
+
+class RouterApi(unittest.TestCase):
+    def test_a_router_is_built_from_a_policy_spec(self):
+        router = dprouter.Router("cache_aware:prefill_tokens_per_s=12000", 8)
+        self.assertEqual((router.policy, router.num_ranks, router.tickets), ("cache_aware", 8, 0))
+        self.assertEqual(repr(router), "Router(policy='cache_aware', num_ranks=8)")
+
+    def test_bad_specs_and_ranks_are_value_errors_with_the_cores_messages(self):
+        with self.assertRaises(dprouter.PolicyError) as e:
+            dprouter.Router("cache_aware:block_tokens=0", 4)
+        self.assertIn("block_tokens", str(e.exception))
+        self.assertIsInstance(e.exception, ValueError)
+        with self.assertRaises(dprouter.PolicyError):
+            dprouter.Router("nope", 4)
+        with self.assertRaises(dprouter.RankError):
+            dprouter.Router("round_robin", 0)
+        with self.assertRaises(dprouter.DprouterError):
+            dprouter.Router("round_robin", 2, ticket_ttl_s=float("nan"))
+        router = dprouter.Router("round_robin", 4)
+        with self.assertRaises(dprouter.RankError) as e:
+            router.pick([1], routed_rank=4)
+        self.assertEqual(str(e.exception), "DP rank 4 is out of range: there are 4 ranks (0..4)")
+        router.set_active(1, False)
+        with self.assertRaises(dprouter.RankError) as e:
+            router.pick([1], routed_rank=1)
+        self.assertEqual(str(e.exception), "DP rank 1 is not active (the endpoint is down)")
+        with self.assertRaises(dprouter.RankError):
+            router.pick([1], eligible=[])
+        with self.assertRaises(dprouter.RankError):
+            router.report_load(7, running=1)
+        with self.assertRaises(dprouter.RankError):
+            router.is_active(-1)
+        with self.assertRaises(dprouter.DprouterError):
+            dprouter.Router("follow_bootstrap_room", 2).pick([1])
+        with self.assertRaises(TypeError):
+            router.pick([1], unknown=1)
+
+    def test_token_ids_are_checked(self):
+        router = dprouter.Router("prefix_match", 4)
+        for bad in ([-1], [2**32], ["a"], [1.5], "text", 5):
+            with self.assertRaises(dprouter.DprouterError, msg=repr(bad)):
+                router.pick(bad)
+
+    def test_token_ids_come_as_lists_or_integer_buffers(self):
+        ids = run(3, 5000)
+        expected = dprouter.prefix_match_rank(ids, 64)
+        inputs = [ids, tuple(ids), array.array("q", ids), array.array("i", ids), array.array("I", ids)]
+        if numpy is not None:
+            inputs += [
+                numpy.array(ids, dtype=numpy.int64),
+                numpy.array(ids, dtype=numpy.int32),
+                numpy.array(ids + ids, dtype=numpy.int64)[::2],  # strided: read through the buffer protocol
+            ]
+        for given in inputs:
+            self.assertEqual(dprouter.prefix_match_rank(given, 64), expected, type(given))
+            router = dprouter.Router("prefix_match", 64)
+            self.assertEqual(router.pick(given).rank, expected, type(given))
+
+    def test_feedback_releases_the_load(self):
+        router = dprouter.Router("total_requests", 2)
+        first = router.pick([1, 2, 3], request_id="a")
+        self.assertEqual(router.in_flight()[first.rank], 1)
+        self.assertTrue(router.first_token("a", prompt_tokens=3, cached_tokens=0))
+        self.assertTrue(router.finish("a"))
+        self.assertFalse(router.finish("a"))
+        self.assertEqual(router.in_flight(), [0, 0])
+        router.pick([1], request_id="b")
+        self.assertTrue(router.abort("b"))
+        self.assertFalse(router.first_token("zzz"))
+        self.assertEqual(router.tickets, 0)
+
+    def test_tickets_are_bounded(self):
+        router = dprouter.Router("total_requests", 2, max_tickets=10, ticket_ttl_s=1.0)
+        for i in range(50):
+            router.pick([1], request_id=f"r{i}", now_us=0)
+        self.assertEqual(router.tickets, 10)
+        router.pick([1], request_id="late", now_us=5_000_000)
+        self.assertEqual((router.tickets, sum(router.in_flight())), (1, 1))
+
+    def test_same_prefix_requests_gather_and_best_rank_records_nothing(self):
+        system = run(1, 4096)
+        for policy in ("prefix_match", "prefix_affinity", "cache_aware"):
+            router = dprouter.Router(policy, 8)
+            ranks = {router.pick(system + run(100 + i, 50)).rank for i in range(8)}
+            self.assertEqual(len(ranks), 1, policy)
+        router = dprouter.Router("cache_aware", 8)
+        cold = router.best_rank(system)
+        self.assertEqual(cold.branch, "cold")
+        self.assertEqual(router.best_rank(system), cold)
+        picked = router.pick(system, request_id="a")
+        router.finish("a")
+        hit = router.best_rank(system + [7])
+        self.assertEqual((hit.rank, hit.branch), (picked.rank, "hit"))
+        self.assertGreaterEqual(hit.predicted_cached_tokens, 4000)
+
+    def test_cache_namespaces_do_not_share_a_prefix(self):
+        router = dprouter.Router("cache_aware", 8)
+        system = run(1, 2000)
+        router.pick(system, request_id="a", cache_namespace="salt-a")
+        router.finish("a")
+        self.assertEqual(router.best_rank(system, cache_namespace="salt-a").branch, "hit")
+        self.assertEqual(router.best_rank(system, cache_namespace="salt-b").branch, "cold")
+        self.assertEqual(router.best_rank(system).branch, "cold")
+
+    def test_kv_events_from_a_rank(self):
+        router = dprouter.Router("cache_aware:block_tokens=16", 2)
+        self.assertEqual(router.apply_kv_events(1, 0, b"\xc1"), "undecodable")
+        with self.assertRaises(dprouter.RankError):
+            router.apply_kv_events(2, 0, b"")
+
+    def test_calls_from_several_threads(self):
+        router = dprouter.Router("cache_aware", 4)
+        errors = []
+
+        def work(t):
+            try:
+                for i in range(200):
+                    router.pick(run(t, 300), request_id=f"{t}-{i}")
+                    router.finish(f"{t}-{i}", prompt_tokens=300, cached_tokens=256)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual((errors, router.tickets, sum(router.in_flight())), ([], 0, 0))
+
+
+class Parity(unittest.TestCase):
+    def test_prefix_match_vectors(self):
+        # The vectors of token prompts (the text ones are the gateway's: engines route token ids).
+        lines = [line for line in (TESTDATA / "prefix_match.jsonl").read_text().splitlines() if "input_ids" in line]
+        self.assertGreater(len(lines), 40)
+        for line in lines:
+            v = json.loads(line)
+            self.assertEqual(dprouter.prefix_match_rank(v["input_ids"], v["dp_size"]), v["rank"], line[:80])
+            router = dprouter.Router("prefix_match", v["dp_size"])
+            self.assertEqual(router.pick(array.array("q", v["input_ids"])).rank, v["rank"])
+
+    def test_the_scripted_run_gives_the_cores_outcomes(self):
+        """The core's `dp_router::tests::scripted` recorded these outcomes driving the same operations in Rust."""
+        router = None
+        picks = 0
+        for n, line in enumerate((TESTDATA / "dp_router_script.jsonl").read_text().splitlines(), 1):
+            op = json.loads(line)
+            kind = op["op"]
+            got = None
+            if kind == "router":
+                router = dprouter.Router(op["policy"], op["num_ranks"])
+            elif kind in ("pick", "best_rank"):
+                kwargs = {"routed_rank": op.get("routed_rank"), "now_us": op["now_us"]}
+                if kind == "pick":
+                    p = router.pick(prompt(op["prompt"]), request_id=op["id"], **kwargs)
+                    picks += 1
+                else:
+                    p = router.best_rank(prompt(op["prompt"]), **kwargs)
+                got = [p.rank, p.branch, p.predicted_cached_tokens]
+            elif kind == "first_token":
+                got = router.first_token(
+                    op["id"], now_us=op["now_us"], prompt_tokens=op["prompt_tokens"], cached_tokens=op["cached_tokens"]
+                )
+            elif kind == "finish":
+                got = router.finish(op["id"])
+            elif kind == "abort":
+                got = router.abort(op["id"])
+            elif kind == "report_load":
+                got = router.report_load(
+                    op["rank"], running=op["running"], waiting=op["waiting"], tokens=op["tokens"],
+                    timestamp=op["timestamp"],
+                )
+            elif kind == "set_active":
+                router.set_active(op["rank"], op["active"])
+            else:
+                self.fail(f"unknown op {kind}")
+            self.assertEqual(got, op.get("expect"), f"line {n}: {line[:160]}")
+        self.assertEqual(picks, 120)
+
+
+if __name__ == "__main__":
+    unittest.main()
