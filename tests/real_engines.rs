@@ -8,7 +8,8 @@
 
 mod common;
 
-use common::{client, post, system_prompt, LlamaServers, Proc};
+use common::conversations::system_prompt;
+use common::{client, post, LlamaServers, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 

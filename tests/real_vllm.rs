@@ -13,14 +13,12 @@ mod common;
 
 use std::collections::HashMap;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{client, eventually, get, post, system_prompt, Proc, VllmEngine};
+use common::conversations::{converse, hits, rank_of, summary, system_prompt};
+use common::{client, eventually, get, post, Proc, VllmEngine};
 use hyper::StatusCode;
 use serde_json::{json, Value};
-
-/// vLLM's KV cache block on CPU, tokens.
-const BLOCK: u64 = 128;
 
 /// One test at a time on the shared engine: each starts from a cold cache, and only one gateway can bind the
 /// address the engine's publishers connect to.
@@ -51,83 +49,6 @@ async fn step_each_rank(url: &str) {
         .await;
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
     }
-}
-
-/// The rank that answered, from the gateway's `x-dprouter-endpoint` (`w0r1`).
-fn rank_of(reply: &common::Reply) -> Option<u64> {
-    reply.endpoint.as_deref()?.rsplit('r').next()?.parse().ok()
-}
-
-/// One turn as the client saw it.
-#[derive(Debug, Clone)]
-struct Turn {
-    rank: Option<u64>,
-    prompt: u64,
-    cached: u64,
-    ttft: Duration,
-}
-
-/// `conversations` conversations, each with its own system prompt, running at once through `url`, `turns` turns
-/// each (a short question, an answer of at most 8 tokens: less than a block per turn).
-async fn converse(url: &str, conversations: usize, turns: usize) -> Vec<Vec<Turn>> {
-    let tasks: Vec<_> = (0..conversations)
-        .map(|n| {
-            let url = url.to_string();
-            tokio::spawn(async move {
-                let c = client();
-                let mut history = vec![json!({"role": "system", "content": system_prompt(n)})];
-                let mut seen = Vec::new();
-                for turn in 0..turns {
-                    history.push(json!({"role": "user", "content": format!("Turn {turn}: what is {turn} plus {n}?")}));
-                    let body = json!({"model": "smollm2", "messages": history, "max_tokens": 8, "temperature": 0});
-                    let started = Instant::now();
-                    let reply = post(&c, &format!("{url}/v1/chat/completions"), &[], &body).await;
-                    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
-                    let answer = reply.json["choices"][0]["message"]["content"]
-                        .as_str()
-                        .unwrap()
-                        .to_string();
-                    history.push(json!({"role": "assistant", "content": answer}));
-                    let usage = &reply.json["usage"];
-                    seen.push(Turn {
-                        rank: rank_of(&reply),
-                        prompt: usage["prompt_tokens"].as_u64().unwrap(),
-                        cached: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
-                        ttft: started.elapsed(),
-                    });
-                }
-                seen
-            })
-        })
-        .collect();
-    let mut all = Vec::new();
-    for task in tasks {
-        all.push(task.await.unwrap());
-    }
-    all
-}
-
-/// Per conversation: its ranks, and its turns' mean time to the whole (short) answer.
-fn summary(seen: &[Vec<Turn>]) -> String {
-    seen.iter()
-        .map(|turns| {
-            let ranks: Vec<String> = turns
-                .iter()
-                .map(|t| t.rank.map_or("-".into(), |r| r.to_string()))
-                .collect();
-            let mean = turns.iter().map(|t| t.ttft).sum::<Duration>() / turns.len().max(1) as u32;
-            format!("ranks {} mean {:.2} s", ranks.join(""), mean.as_secs_f64())
-        })
-        .collect::<Vec<_>>()
-        .join("; ")
-}
-
-/// Turns after each conversation's first that found at least the previous prompt's whole blocks cached.
-fn hits(turns: &[Turn]) -> usize {
-    turns
-        .windows(2)
-        .filter(|w| w[1].cached >= w[0].prompt / BLOCK * BLOCK)
-        .count()
 }
 
 /// A gateway in front of `engine` (`--backend vllm`, two ranks) with `routing` (TOML lines of `[routing]`) and
@@ -222,6 +143,19 @@ async fn four_conversations_hit_on_every_turn_under_cache_aware() {
         (prompt, cached),
         "{report}"
     );
+}
+
+/// vLLM's own balancer (no gateway, no plugin) on the conversations `tests/python_package.rs` sends through the
+/// plugin: measured and printed for docs/in-engine.md, not asserted (it balances by load, not by prefix).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_own_balancer_on_four_conversations() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let seen = converse(&engine.url, 4, 4).await;
+    let later: usize = seen.iter().map(|turns| turns.len() - 1).sum();
+    let hit: usize = seen.iter().map(|turns| hits(turns)).sum();
+    eprintln!("vLLM's own balancer: {hit} of {later} later turns hit; {}", summary(&seen));
+    assert!(seen.iter().all(|turns| turns[0].prompt > 300), "{seen:#?}");
 }
 
 /// The access log's requests: (cached tokens vLLM reported, cached tokens the gateway predicted).

@@ -13,6 +13,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
+pub mod conversations;
+
 /// A `dprouter` subprocess, killed when dropped.
 pub struct Proc {
     pub child: Child,
@@ -379,11 +381,13 @@ impl VllmEngine {
     /// running (`scripts/vllm_engine.py run --kv-events connect:PORT`).
     pub fn shared() -> Option<&'static VllmEngine> {
         static ENGINE: std::sync::OnceLock<Option<VllmEngine>> = std::sync::OnceLock::new();
-        ENGINE.get_or_init(Self::start).as_ref()
+        ENGINE.get_or_init(|| Self::start(&[])).as_ref()
     }
 
-    fn start() -> Option<VllmEngine> {
-        if let Ok(running) = std::env::var("DPROUTER_TEST_VLLM") {
+    /// A new engine, with `env` added to its environment (`PYTHONPATH`, `DPROUTER_POLICY`: a plugin); the caller
+    /// keeps it for its test binary. (`DPROUTER_TEST_VLLM` does not apply: the environment is this start's.)
+    pub fn start(env: &[(&str, &str)]) -> Option<VllmEngine> {
+        if let Some(running) = std::env::var("DPROUTER_TEST_VLLM").ok().filter(|_| env.is_empty()) {
             let (url, events) = running.split_once(' ').expect("DPROUTER_TEST_VLLM=\"URL PORT\"");
             return Some(VllmEngine {
                 url: url.to_string(),
@@ -402,6 +406,7 @@ impl VllmEngine {
             .arg(&model)
             .arg("--kv-events")
             .arg(format!("connect:{events}"))
+            .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -438,15 +443,4 @@ fn free_port_block() -> u16 {
             return base;
         }
     }
-}
-
-/// A system prompt of about 400 tokens (SmolLM2's), different for every agent from its first token on.
-pub fn system_prompt(agent: usize) -> String {
-    let mut text = format!("You are agent number {agent}. You answer briefly. Your tools:\n");
-    for i in 0..24 {
-        text.push_str(&format!(
-            "- tool_{agent}_{i}: looks up record {i} of ledger {agent} and returns its balance.\n"
-        ));
-    }
-    text
 }

@@ -40,9 +40,10 @@ fn error(e: DpRouterError) -> PyErr {
     match e {
         DpRouterError::Policy(_) => PolicyError::new_err(message),
         DpRouterError::Route(RouteError::MissingBootstrapRoom) => DprouterError::new_err(message),
-        DpRouterError::Route(_) | DpRouterError::Rank { .. } | DpRouterError::NoEligible | DpRouterError::NumRanks(_) => {
-            RankError::new_err(message)
-        }
+        DpRouterError::Route(_)
+        | DpRouterError::Rank { .. }
+        | DpRouterError::NoEligible
+        | DpRouterError::NumRanks(_) => RankError::new_err(message),
     }
 }
 
@@ -54,7 +55,9 @@ fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
             .map(|s| s.to_string())
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown".into());
-        Err(DprouterError::new_err(format!("internal error in dprouter (a bug): {what}")))
+        Err(DprouterError::new_err(format!(
+            "internal error in dprouter (a bug): {what}"
+        )))
     })
 }
 
@@ -96,12 +99,15 @@ fn read_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             .collect();
     }
     let mut out = Vec::new();
-    for item in obj.try_iter().map_err(|_| {
-        DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers")
-    })? {
-        out.push(token_id(item?.extract::<i64>().map_err(|_| {
-            DprouterError::new_err("token_ids must hold ints")
-        })?)?);
+    for item in obj
+        .try_iter()
+        .map_err(|_| DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers"))?
+    {
+        out.push(token_id(
+            item?
+                .extract::<i64>()
+                .map_err(|_| DprouterError::new_err("token_ids must hold ints"))?,
+        )?);
     }
     Ok(out)
 }
@@ -280,7 +286,9 @@ impl Router {
     ) -> PyResult<bool> {
         guarded(|| {
             let now = now_us.unwrap_or_else(clock_us);
-            Ok(self.lock().first_token(request_id, now, usage(prompt_tokens, cached_tokens)))
+            Ok(self
+                .lock()
+                .first_token(request_id, now, usage(prompt_tokens, cached_tokens)))
         })
     }
 
@@ -348,7 +356,8 @@ impl Router {
         guarded(|| {
             let bytes = payload.as_bytes();
             let now = now_us.unwrap_or_else(clock_us);
-            let outcome = py.detach(|| guarded(|| self.lock().apply_kv_events(rank, seq, bytes, now).map_err(error)))?;
+            let outcome =
+                py.detach(|| guarded(|| self.lock().apply_kv_events(rank, seq, bytes, now).map_err(error)))?;
             Ok(match outcome {
                 KvOutcome::Applied(_) => "applied",
                 KvOutcome::Duplicate => "duplicate",
@@ -388,7 +397,11 @@ impl Router {
 
     fn __repr__(&self) -> String {
         let router = self.lock();
-        format!("Router(policy='{}', num_ranks={})", router.policy_name(), router.num_ranks())
+        format!(
+            "Router(policy='{}', num_ranks={})",
+            router.policy_name(),
+            router.num_ranks()
+        )
     }
 }
 

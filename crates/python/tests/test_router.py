@@ -79,7 +79,7 @@ class RouterApi(unittest.TestCase):
             inputs += [
                 numpy.array(ids, dtype=numpy.int64),
                 numpy.array(ids, dtype=numpy.int32),
-                numpy.array(ids + ids, dtype=numpy.int64)[::2],  # strided: read through the buffer protocol
+                numpy.repeat(numpy.array(ids, dtype=numpy.int64), 2)[::2],  # strided: read through the buffer protocol
             ]
         for given in inputs:
             self.assertEqual(dprouter.prefix_match_rank(given, 64), expected, type(given))

@@ -137,7 +137,13 @@ fn feedback_releases_the_load_and_unknown_ids_are_told() {
     let first = router.pick(vec![1, 2, 3], &with_id("a"), 0).unwrap().rank;
     assert_eq!(router.endpoints()[first].load.in_flight_requests(), 1);
     assert!(router.first_token("a", 10, None));
-    assert!(router.finish("a", Some(Usage { prompt_tokens: 3, cached_tokens: 0 })));
+    assert!(router.finish(
+        "a",
+        Some(Usage {
+            prompt_tokens: 3,
+            cached_tokens: 0
+        })
+    ));
     assert_eq!(router.endpoints()[first].load.in_flight_requests(), 0);
     assert!(!router.finish("a", None), "finished once");
     assert!(!router.first_token("zzz", 10, None));
@@ -255,9 +261,15 @@ mod scripted {
     /// The operations, without their outcomes.
     fn scenario() -> Vec<Value> {
         let mut ops = Vec::new();
-        for (p, policy) in ["cache_aware", "prefix_match", "prefix_affinity", "total_tokens", "round_robin"]
-            .iter()
-            .enumerate()
+        for (p, policy) in [
+            "cache_aware",
+            "prefix_match",
+            "prefix_affinity",
+            "total_tokens",
+            "round_robin",
+        ]
+        .iter()
+        .enumerate()
         {
             ops.push(json!({"op": "router", "policy": policy, "num_ranks": 4}));
             let mut now = 0u64;
@@ -383,7 +395,12 @@ mod scripted {
         for (n, line) in text.lines().enumerate() {
             let op: Value = serde_json::from_str(line).unwrap();
             let got = apply(&mut router, &op);
-            assert_eq!(got, op.get("expect").cloned().unwrap_or(Value::Null), "line {}: {line:.200}", n + 1);
+            assert_eq!(
+                got,
+                op.get("expect").cloned().unwrap_or(Value::Null),
+                "line {}: {line:.200}",
+                n + 1
+            );
             checked += usize::from(op["op"] == "pick");
         }
         assert_eq!(checked, 5 * 24);

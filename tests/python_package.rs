@@ -1,0 +1,121 @@
+//! The `dprouter` Python package (`crates/python`): its wheel, built from this clone the way `pip install
+//! crates/python` builds it (maturin, in its own target directory: the one `cargo test` holds is locked), passes
+//! the package's own Python tests (`crates/python/tests`: the API, token id buffers, parity with the core, the
+//! vLLM plugin against the vLLM package), and then a real vLLM with the plugin enabled routes four multi-turn
+//! conversations to the ranks that hold them.
+//!
+//! The Python is the real-vLLM test's (`scripts/vllm_engine.py install`: Python 3.11 with vLLM, numpy and pip);
+//! the wheel is installed with `--no-deps --target` into `target/python/site`, which only these tests put on
+//! `PYTHONPATH`, so the other real-vLLM tests see the venv as it is. Skipped, with a message, only when the
+//! package index cannot be reached at all.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Instant;
+
+use common::conversations::{converse, hits, summary};
+use common::{vllm_python, VllmEngine};
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `command`, failing the test with its output if it fails.
+fn run(command: &mut Command, what: &str) -> String {
+    let out = command.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{what} failed:\n{text}");
+    text
+}
+
+/// The Python to test with, and the folder the wheel is installed in; built once per test binary.
+fn package() -> Option<&'static (PathBuf, PathBuf)> {
+    static PACKAGE: OnceLock<Option<(PathBuf, PathBuf)>> = OnceLock::new();
+    PACKAGE
+        .get_or_init(|| {
+            let python = vllm_python()?;
+            let dir = root().join("target/python");
+            let (wheels, site) = (dir.join("wheels"), dir.join("site"));
+            for d in [&wheels, &site] {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            let started = Instant::now();
+            run(
+                Command::new(&python)
+                    .args(["-m", "pip", "wheel", "--no-deps", "--quiet", "--wheel-dir"])
+                    .arg(&wheels)
+                    .arg(root().join("crates/python"))
+                    .env("CARGO_TARGET_DIR", &dir),
+                "building the wheel (pip wheel crates/python)",
+            );
+            let wheel = std::fs::read_dir(&wheels)
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .find(|p| p.extension().is_some_and(|e| e == "whl"))
+                .expect("a wheel");
+            eprintln!("built {} in {:?}", wheel.display(), started.elapsed());
+            run(
+                Command::new(&python)
+                    .args(["-m", "pip", "install", "--no-deps", "--quiet", "--target"])
+                    .arg(&site)
+                    .arg(&wheel),
+                "installing the wheel",
+            );
+            Some((python, site))
+        })
+        .as_ref()
+}
+
+#[test]
+fn the_packages_own_python_tests_pass() {
+    let Some((python, site)) = package() else { return };
+    let out = run(
+        Command::new(python)
+            .args(["-m", "unittest", "discover", "-v", "-s"])
+            .arg(root().join("crates/python/tests"))
+            .env("PYTHONPATH", site),
+        "the Python package's tests",
+    );
+    eprintln!("{out}");
+    // Every test ran and passed (none skipped: this Python has vLLM and numpy).
+    assert!(!out.contains("skipped"), "{out}");
+    assert!(out.contains("\nRan 16 tests") && out.trim_end().ends_with("OK"), "{out}");
+}
+
+/// Inside a real vLLM (`--data-parallel-size 2`, no gateway), the plugin with `cache_aware` sends each turn of
+/// four concurrent conversations to the rank holding the conversation: every turn after the first finds at least
+/// the previous prompt's whole blocks cached (vLLM's own balancer, on the same conversations:
+/// `tests/real_vllm.rs`, `vllms_own_balancer_on_four_conversations`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_vllm_the_plugin_keeps_four_conversations_on_their_ranks() {
+    let Some((_, site)) = package() else { return };
+    let site = site.to_str().unwrap().to_string();
+    let engine = tokio::task::spawn_blocking(move || {
+        VllmEngine::start(&[("PYTHONPATH", &site), ("DPROUTER_POLICY", "cache_aware")])
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    let seen = converse(&engine.url, 4, 4).await;
+    let report = format!("{seen:#?}");
+    let later: Vec<_> = seen.iter().flat_map(|turns| &turns[1..]).collect();
+    let hit: usize = seen.iter().map(|turns| hits(turns)).sum();
+    eprintln!(
+        "in vLLM, dprouter cache_aware: {hit} of {} later turns hit; {}",
+        later.len(),
+        summary(&seen)
+    );
+    for turns in &seen {
+        assert!(turns[0].prompt > 300, "{report}");
+        assert_eq!(hits(turns), turns.len() - 1, "{report}");
+    }
+    assert!(later.iter().all(|t| t.cached * 2 > t.prompt), "{report}");
+}
