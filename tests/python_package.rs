@@ -17,7 +17,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use common::conversations::{converse, hits, summary};
+use common::conversations::{agent_pause, converse_paced, hits, summary};
 use common::{vllm_python, VllmEngine};
 
 fn root() -> &'static Path {
@@ -87,7 +87,10 @@ fn the_packages_own_python_tests_pass() {
     eprintln!("{out}");
     // Every test ran and passed (none skipped: this Python has vLLM and numpy).
     assert!(!out.contains("skipped"), "{out}");
-    assert!(out.contains("\nRan 16 tests") && out.trim_end().ends_with("OK"), "{out}");
+    assert!(
+        out.contains("\nRan 16 tests") && out.trim_end().ends_with("OK"),
+        "{out}"
+    );
 }
 
 /// Inside a real vLLM (`--data-parallel-size 2`, no gateway), the plugin with `cache_aware` sends each turn of
@@ -104,7 +107,7 @@ async fn in_vllm_the_plugin_keeps_four_conversations_on_their_ranks() {
     .await
     .unwrap()
     .unwrap();
-    let seen = converse(&engine.url, 4, 4).await;
+    let seen = converse_paced(&engine.url, 4, 4, agent_pause).await;
     let report = format!("{seen:#?}");
     let later: Vec<_> = seen.iter().flat_map(|turns| &turns[1..]).collect();
     let hit: usize = seen.iter().map(|turns| hits(turns)).sum();

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::conversations::{converse, hits, rank_of, summary, system_prompt};
+use common::conversations::{agent_pause, converse, converse_paced, hits, rank_of, summary, system_prompt};
 use common::{client, eventually, get, post, Proc, VllmEngine};
 use hyper::StatusCode;
 use serde_json::{json, Value};
@@ -151,10 +151,13 @@ async fn four_conversations_hit_on_every_turn_under_cache_aware() {
 async fn vllms_own_balancer_on_four_conversations() {
     let _one = ENGINE.lock().await;
     let Some(engine) = cold_engine().await else { return };
-    let seen = converse(&engine.url, 4, 4).await;
+    let seen = converse_paced(&engine.url, 4, 4, agent_pause).await;
     let later: usize = seen.iter().map(|turns| turns.len() - 1).sum();
     let hit: usize = seen.iter().map(|turns| hits(turns)).sum();
-    eprintln!("vLLM's own balancer: {hit} of {later} later turns hit; {}", summary(&seen));
+    eprintln!(
+        "vLLM's own balancer: {hit} of {later} later turns hit; {}",
+        summary(&seen)
+    );
     assert!(seen.iter().all(|turns| turns[0].prompt > 300), "{seen:#?}");
 }
 

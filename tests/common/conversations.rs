@@ -38,6 +38,17 @@ pub struct Turn {
 /// `conversations` conversations, each with its own system prompt, running at once through `url`, `turns` turns
 /// each (a short question, an answer of at most 8 tokens: less than a block per turn).
 pub async fn converse(url: &str, conversations: usize, turns: usize) -> Vec<Vec<Turn>> {
+    converse_paced(url, conversations, turns, |_, _| Duration::ZERO).await
+}
+
+/// [`converse`], each conversation `n` pausing `pause(n, turn)` before its turn `turn` (as agents do, each at
+/// its own pace: the order in which the conversations' turns arrive changes from one round to the next).
+pub async fn converse_paced(
+    url: &str,
+    conversations: usize,
+    turns: usize,
+    pause: fn(usize, usize) -> Duration,
+) -> Vec<Vec<Turn>> {
     let tasks: Vec<_> = (0..conversations)
         .map(|n| {
             let url = url.to_string();
@@ -46,6 +57,7 @@ pub async fn converse(url: &str, conversations: usize, turns: usize) -> Vec<Vec<
                 let mut history = vec![json!({"role": "system", "content": system_prompt(n)})];
                 let mut seen = Vec::new();
                 for turn in 0..turns {
+                    tokio::time::sleep(pause(n, turn)).await;
                     history.push(json!({"role": "user", "content": format!("Turn {turn}: what is {turn} plus {n}?")}));
                     let body = json!({"model": "smollm2", "messages": history, "max_tokens": 8, "temperature": 0});
                     let started = Instant::now();
@@ -88,6 +100,12 @@ pub fn summary(seen: &[Vec<Turn>]) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// Agents' paces for [`converse_paced`]: 0 to 6 s before each turn (longer than a turn takes here), in an order that
+/// changes every round.
+pub fn agent_pause(n: usize, turn: usize) -> Duration {
+    Duration::from_millis(((n * 7 + turn * 3) % 5) as u64 * 1_500)
 }
 
 /// Turns after each conversation's first that found at least the previous prompt's whole blocks cached.
