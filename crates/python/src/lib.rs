@@ -19,7 +19,8 @@ use dprouter_core::{RouteError, Usage};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyList};
 
 pyo3::create_exception!(
     _dprouter,
@@ -75,18 +76,25 @@ fn clock_us() -> u64 {
     START.get_or_init(Instant::now).elapsed().as_micros() as u64
 }
 
-fn token_id(value: i64) -> PyResult<u32> {
-    u32::try_from(value).map_err(|_| DprouterError::new_err(format!("token id {value} is not in 0..2^32")))
-}
-
-/// Token ids from a buffer of 64- or 32-bit integers, or from any iterable of ints.
+/// Token ids from a list (the engines' usual form), a buffer of 32- or 64-bit integers, or any other iterable of
+/// ints. A list is read by `array.array('I', list)`, CPython's own loop over it (half the time of reading its
+/// items one by one from Rust through the stable ABI), then copied from that buffer.
 fn read_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
+    if obj.is_instance_of::<PyList>() {
+        static ARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+        let array = ARRAY.get_or_try_init(py, || py.import("array")?.getattr("array").map(Bound::unbind))?;
+        let unsigned = array
+            .bind(py)
+            .call1(("I", obj))
+            .map_err(|e| DprouterError::new_err(format!("token_ids must hold ints in 0..2^32 ({e})")))?;
+        return PyBuffer::<u32>::get(&unsigned)?.to_vec(py);
+    }
     if let Ok(buffer) = PyBuffer::<i64>::get(obj) {
-        return buffer.to_vec(py)?.into_iter().map(token_id).collect();
+        return buffer.to_vec(py)?.into_iter().map(checked).collect();
     }
     if let Ok(buffer) = PyBuffer::<i32>::get(obj) {
-        return buffer.to_vec(py)?.into_iter().map(|t| token_id(t.into())).collect();
+        return buffer.to_vec(py)?.into_iter().map(|t| checked(t.into())).collect();
     }
     if let Ok(buffer) = PyBuffer::<u32>::get(obj) {
         return buffer.to_vec(py);
@@ -98,18 +106,21 @@ fn read_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
             .map(|t| u32::try_from(t).map_err(|_| DprouterError::new_err(format!("token id {t} is not in 0..2^32"))))
             .collect();
     }
-    let mut out = Vec::new();
-    for item in obj
-        .try_iter()
-        .map_err(|_| DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers"))?
-    {
-        out.push(token_id(
-            item?
-                .extract::<i64>()
-                .map_err(|_| DprouterError::new_err("token_ids must hold ints"))?,
-        )?);
-    }
-    Ok(out)
+    let items = obj.try_iter().map_err(|_| {
+        DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers")
+    })?;
+    items.map(|item| token_id(&item?)).collect()
+}
+
+fn checked(value: i64) -> PyResult<u32> {
+    u32::try_from(value).map_err(|_| DprouterError::new_err(format!("token id {value} is not in 0..2^32")))
+}
+
+fn token_id(item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    item.extract::<u32>().or_else(|_| match item.extract::<i64>() {
+        Ok(value) => checked(value),
+        Err(_) => Err(DprouterError::new_err("token_ids must hold ints")),
+    })
 }
 
 /// A routing decision.
