@@ -19,6 +19,7 @@ fn pick(c: &mut Criterion) {
             tokens: 1000 * r as u64,
             timestamp: 1,
             waiting: 0,
+            queued_prefill_tokens: None,
         });
     }
     let mut group = c.benchmark_group("pick");

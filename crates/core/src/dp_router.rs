@@ -103,6 +103,20 @@ pub struct PickOptions<'a> {
     pub eligible: Option<&'a [i64]>,
 }
 
+/// One rank's load as its engine reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    pub running: u64,
+    pub waiting: u64,
+    /// KV tokens in use plus queued prompt tokens (`total_tokens`' measure).
+    pub tokens: u64,
+    /// Uncached prompt tokens of the waiting requests, when the engine says (SGLang's load snapshots): then
+    /// the policies see the engine's own prefill queue.
+    pub waiting_tokens: Option<u64>,
+    /// Any increasing number: a report no newer than the last one applied is ignored.
+    pub timestamp: u64,
+}
+
 /// What [`DpRouter::apply_kv_events`] did with a batch.
 pub type KvOutcome = Received;
 
@@ -345,22 +359,16 @@ impl DpRouter {
         self.tickets.remove(request_id).is_some()
     }
 
-    /// A rank's load, as the engine reports it (`running` plus `waiting` requests, `tokens` in use and queued);
-    /// applied only when `timestamp` is newer than the last one applied. Returns whether it was.
-    pub fn report_load(
-        &mut self,
-        rank: i64,
-        running: u64,
-        waiting: u64,
-        tokens: u64,
-        timestamp: u64,
-    ) -> Result<bool, DpRouterError> {
+    /// A rank's load, as the engine reports it; applied only when its timestamp is newer than the last one
+    /// applied. Returns whether it was.
+    pub fn report_load(&mut self, rank: i64, report: LoadReport) -> Result<bool, DpRouterError> {
         let rank = self.rank(rank)?;
         Ok(self.snap.load(rank).apply_report(EngineReport {
-            requests: running.saturating_add(waiting),
-            waiting,
-            tokens,
-            timestamp,
+            requests: report.running.saturating_add(report.waiting),
+            waiting: report.waiting,
+            tokens: report.tokens,
+            timestamp: report.timestamp,
+            queued_prefill_tokens: report.waiting_tokens,
         }))
     }
 

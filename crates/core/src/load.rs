@@ -40,6 +40,11 @@ pub struct EngineReport {
     pub tokens: u64,
     /// The engine's monotonically increasing report time (`ts_tic`), in any unit.
     pub timestamp: u64,
+    /// Uncached prompt tokens waiting for prefill (SGLang's load snapshots: `num_waiting_uncached_tokens`), when
+    /// the engine says. With it, the endpoint's queued prefill is what the engine reports (plus what was
+    /// dispatched since), not only what this router dispatched: a router inside the engine, which never sees a
+    /// first token, keys on it.
+    pub queued_prefill_tokens: Option<u64>,
 }
 
 /// What load-based policies compare: engine-reported load plus speculative increments since that report.
@@ -64,6 +69,12 @@ pub struct EndpointLoad {
     speculative_tokens: AtomicU64,
     /// Incremented by every applied report; a guard only takes back speculation from its own epoch.
     epoch: AtomicU64,
+    /// The last report's queued prefill: its waiting requests, and its [`EngineReport::queued_prefill_tokens`]
+    /// plus one (0: the report gave none); and the requests and predicted uncached tokens dispatched since it.
+    reported_queue_requests: AtomicU64,
+    reported_queue_tokens_plus_one: AtomicU64,
+    queued_since_report_requests: AtomicU64,
+    queued_since_report_tokens: AtomicU64,
     last_report: Mutex<Option<EngineReport>>,
 }
 
@@ -78,14 +89,24 @@ impl EndpointLoad {
         self.in_flight_tokens.load(Relaxed)
     }
 
-    /// Requests dispatched here whose first token has not arrived (overrides included).
+    /// Requests dispatched here whose first token has not arrived (overrides included); when the engine reports
+    /// its queue, at least the requests it reported waiting plus those dispatched since.
     pub fn queued_prefill_requests(&self) -> u64 {
-        self.prefill_requests.load(Relaxed)
+        let own = self.prefill_requests.load(Relaxed);
+        match self.reported_queue_tokens_plus_one.load(Relaxed) {
+            0 => own,
+            _ => own.max(self.reported_queue_requests.load(Relaxed) + self.queued_since_report_requests.load(Relaxed)),
+        }
     }
 
-    /// The predicted uncached prompt tokens of those requests: the prefill work queued ahead of a new request.
+    /// The predicted uncached prompt tokens of those requests: the prefill work queued ahead of a new request;
+    /// when the engine reports its queue, at least what it reported plus what was dispatched since.
     pub fn queued_prefill_tokens(&self) -> u64 {
-        self.prefill_tokens.load(Relaxed)
+        let own = self.prefill_tokens.load(Relaxed);
+        match self.reported_queue_tokens_plus_one.load(Relaxed) {
+            0 => own,
+            reported => own.max(reported - 1 + self.queued_since_report_tokens.load(Relaxed)),
+        }
     }
 
     /// How long the oldest queued request has been prefilling at `now_us`: the time since the queue last became
@@ -124,6 +145,11 @@ impl EndpointLoad {
         self.reported_tokens.store(report.tokens, Relaxed);
         self.speculative_requests.store(0, Relaxed);
         self.speculative_tokens.store(0, Relaxed);
+        self.reported_queue_requests.store(report.waiting, Relaxed);
+        self.queued_since_report_requests.store(0, Relaxed);
+        self.queued_since_report_tokens.store(0, Relaxed);
+        let queued = report.queued_prefill_tokens.map_or(0, |t| t.saturating_add(1));
+        self.reported_queue_tokens_plus_one.store(queued, Relaxed);
         self.epoch.fetch_add(1, Relaxed);
         true
     }
@@ -165,6 +191,10 @@ impl LoadGuard {
             load.prefill_since_us.store(now_us, Relaxed);
         }
         load.prefill_tokens.fetch_add(prefill_tokens, Relaxed);
+        if load.reported_queue_tokens_plus_one.load(Relaxed) != 0 {
+            load.queued_since_report_requests.fetch_add(1, Relaxed);
+            load.queued_since_report_tokens.fetch_add(prefill_tokens, Relaxed);
+        }
         let speculative_epoch = speculative.then(|| {
             load.speculative_requests.fetch_add(1, Relaxed);
             load.speculative_tokens.fetch_add(tokens, Relaxed);
@@ -228,7 +258,46 @@ mod tests {
             waiting: 0,
             tokens,
             timestamp,
+            queued_prefill_tokens: None,
         }
+    }
+
+    #[test]
+    fn a_reported_queue_counts_with_what_was_dispatched_since() {
+        let load = Arc::new(EndpointLoad::default());
+        let own = LoadGuard::acquire(Arc::clone(&load), 100, true);
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (1, 100));
+        // A report with a queue: the engine's, plus what comes after it.
+        load.apply_report(EngineReport {
+            waiting: 3,
+            queued_prefill_tokens: Some(5_000),
+            ..report(4, 9_000, 1)
+        });
+        assert_eq!(
+            (load.queued_prefill_requests(), load.queued_prefill_tokens()),
+            (3, 5_000)
+        );
+        let next = LoadGuard::acquire_with_prefill(Arc::clone(&load), 800, 300, true, 0);
+        assert_eq!(
+            (load.queued_prefill_requests(), load.queued_prefill_tokens()),
+            (4, 5_300)
+        );
+        // Finishing does not take it back: the next report says what the engine did with it.
+        drop((own, next));
+        assert_eq!(
+            (load.queued_prefill_requests(), load.queued_prefill_tokens()),
+            (4, 5_300)
+        );
+        load.apply_report(EngineReport {
+            waiting: 0,
+            queued_prefill_tokens: Some(0),
+            ..report(0, 0, 2)
+        });
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (0, 0));
+        // A report without one: the router's own count again.
+        load.apply_report(report(0, 0, 3));
+        let _held = LoadGuard::acquire(Arc::clone(&load), 50, true);
+        assert_eq!((load.queued_prefill_requests(), load.queued_prefill_tokens()), (1, 50));
     }
 
     #[test]

@@ -178,6 +178,7 @@ fn parse_report(rank: &Value) -> Option<EngineReport> {
         tokens: rank.get("num_tokens").and_then(Value::as_u64).unwrap_or(0),
         // `ts_tic` is seconds as a float; keep microseconds.
         timestamp: (rank.get("ts_tic")?.as_f64()? * 1e6) as u64,
+        queued_prefill_tokens: None,
     })
 }
 
@@ -195,7 +196,8 @@ mod tests {
                 requests: 3,
                 waiting: 1,
                 tokens: 900,
-                timestamp: 2_500_000
+                timestamp: 2_500_000,
+                queued_prefill_tokens: None,
             })
         );
         assert_eq!(parse_report(&serde_json::json!({"dp_rank": 1})), None);

@@ -14,7 +14,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
-use dprouter_core::dp_router::{self, Decision, DpRouter, DpRouterError, KvOutcome, PickOptions, TicketLimits};
+use dprouter_core::dp_router::{
+    self, Decision, DpRouter, DpRouterError, KvOutcome, LoadReport, PickOptions, TicketLimits,
+};
 use dprouter_core::{RouteError, Usage};
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
@@ -315,21 +317,29 @@ impl Router {
         guarded(|| Ok(self.lock().abort(request_id)))
     }
 
-    /// A rank's load as the engine reports it; applied when `timestamp` (any increasing number; left out, the
-    /// clock) is newer than the last one applied. Returns whether it was.
-    #[pyo3(signature = (rank, *, running = 0, waiting = 0, tokens = 0, timestamp = None))]
+    /// A rank's load as the engine reports it: `running` and `waiting` requests, `tokens` (KV tokens in use plus
+    /// queued prompt tokens), and, when the engine says, `waiting_tokens` (the uncached prompt tokens waiting for
+    /// prefill: then `cache_aware` sees the engine's own prefill queue). Applied when `timestamp` (any increasing
+    /// number; left out, the clock) is newer than the last one applied. Returns whether it was.
+    #[pyo3(signature = (rank, *, running = 0, waiting = 0, tokens = 0, waiting_tokens = None, timestamp = None))]
     fn report_load(
         &self,
         rank: i64,
         running: u64,
         waiting: u64,
         tokens: u64,
+        waiting_tokens: Option<u64>,
         timestamp: Option<u64>,
     ) -> PyResult<bool> {
         guarded(|| {
-            self.lock()
-                .report_load(rank, running, waiting, tokens, timestamp.unwrap_or_else(clock_us))
-                .map_err(error)
+            let report = LoadReport {
+                running,
+                waiting,
+                tokens,
+                waiting_tokens,
+                timestamp: timestamp.unwrap_or_else(clock_us),
+            };
+            self.lock().report_load(rank, report).map_err(error)
         })
     }
 

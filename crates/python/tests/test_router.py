@@ -198,7 +198,7 @@ class Parity(unittest.TestCase):
             elif kind == "report_load":
                 got = router.report_load(
                     op["rank"], running=op["running"], waiting=op["waiting"], tokens=op["tokens"],
-                    timestamp=op["timestamp"],
+                    waiting_tokens=op.get("waiting_tokens"), timestamp=op["timestamp"],
                 )
             elif kind == "set_active":
                 router.set_active(op["rank"], op["active"])

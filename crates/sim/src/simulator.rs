@@ -415,6 +415,7 @@ impl<'a> Sim<'a> {
                 tokens: rank.cache.locked_size() as u64 + rank.queued_tokens,
                 // Strictly increasing even for a report at time 0.
                 timestamp: now + 1,
+                queued_prefill_tokens: None,
             };
             for router in &self.routers {
                 router.loads[r].apply_report(report);

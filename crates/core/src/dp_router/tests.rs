@@ -34,7 +34,7 @@ fn specs_ranks_and_options_are_checked_with_the_cores_messages() {
     };
     let err = router.pick(vec![1], &pinned, 0).unwrap_err();
     assert_eq!(err.to_string(), "DP rank 4 is out of range: there are 4 ranks (0..4)");
-    assert!(router.report_load(-1, 0, 0, 0, 1).is_err());
+    assert!(router.report_load(-1, LoadReport::default()).is_err());
     let none = PickOptions {
         eligible: Some(&[]),
         ..PickOptions::default()
@@ -92,23 +92,54 @@ fn inactive_and_ineligible_ranks_are_skipped() {
     assert!(router.is_active(1));
 }
 
+fn report(running: u64, waiting: u64, tokens: u64, waiting_tokens: Option<u64>, timestamp: u64) -> LoadReport {
+    LoadReport {
+        running,
+        waiting,
+        tokens,
+        waiting_tokens,
+        timestamp,
+    }
+}
+
+fn ranks_of(router: &mut DpRouter, seeds: std::ops::Range<u32>, len: usize) -> Vec<usize> {
+    seeds
+        .map(|i| router.pick(prompt(i, len), &PickOptions::default(), 0).unwrap().rank)
+        .collect()
+}
+
 #[test]
 fn load_reports_move_requests_away_from_a_loaded_rank() {
     let mut router = DpRouter::new("total_tokens", 2, TicketLimits::default()).unwrap();
     // Rank 0 reports a long queue; rank 1 idles.
-    router.report_load(0, 8, 40, 300_000, 1).unwrap();
-    router.report_load(1, 0, 0, 0, 1).unwrap();
-    let ranks: Vec<usize> = (0..8)
-        .map(|i| {
-            router
-                .pick(prompt(500 + i, 1_000), &PickOptions::default(), 0)
-                .unwrap()
-                .rank
-        })
-        .collect();
+    router.report_load(0, report(8, 40, 300_000, None, 1)).unwrap();
+    router.report_load(1, report(0, 0, 0, None, 1)).unwrap();
+    let ranks = ranks_of(&mut router, 500..508, 1_000);
     assert!(ranks.iter().all(|&r| r == 1), "{ranks:?}");
     // A stale report changes nothing.
-    assert!(!router.report_load(1, 50, 50, 300_000, 1).unwrap());
+    assert!(!router.report_load(1, report(50, 50, 300_000, None, 1)).unwrap());
+}
+
+#[test]
+fn a_reported_prefill_queue_moves_new_prefixes_away_under_cache_aware() {
+    // As inside SGLang's controller: no ticket held (it never sees a first token), loads from snapshots.
+    let mut router = DpRouter::new("cache_aware", 2, TicketLimits::default()).unwrap();
+    let cold = ranks_of(&mut router, 500..508, 1_000);
+    assert!(cold.contains(&0) && cold.contains(&1), "{cold:?}");
+    // Rank 0 reports 200,000 uncached tokens waiting (8 s at 25,000 tokens/s); rank 1 nothing.
+    router.report_load(0, report(4, 40, 300_000, Some(200_000), 2)).unwrap();
+    router.report_load(1, report(0, 0, 0, Some(0), 2)).unwrap();
+    let ranks = ranks_of(&mut router, 900..908, 1_000);
+    assert!(ranks.iter().all(|&r| r == 1), "{ranks:?}");
+    // Even a prefix rank 0 holds goes to rank 1 when rank 0's queue costs more than the prefill.
+    let held = prompt(500 + cold.iter().position(|&r| r == 0).unwrap() as u32, 1_000);
+    assert_eq!(router.pick(held, &PickOptions::default(), 0).unwrap().rank, 1);
+    // What was dispatched since a report counts: rank 1 fills up until rank 0 is cheaper.
+    let mut router = DpRouter::new("cache_aware", 2, TicketLimits::default()).unwrap();
+    router.report_load(0, report(1, 1, 0, Some(30_000), 1)).unwrap();
+    router.report_load(1, report(0, 0, 0, Some(0), 1)).unwrap();
+    let ranks = ranks_of(&mut router, 2_000..2_012, 4_000);
+    assert!(ranks.contains(&0) && ranks[0] == 1, "{ranks:?}");
 }
 
 #[test]
@@ -293,8 +324,13 @@ mod scripted {
                     history[agent as usize].push([1_000 + agent * 10 + turn, 30 + 7 * turn]);
                 }
                 for rank in 0..4u64 {
-                    ops.push(json!({"op": "report_load", "rank": rank, "running": turn + rank,
-                        "waiting": rank % 2, "tokens": 1_000 * (rank + 1), "timestamp": turn + 1}));
+                    let mut op = json!({"op": "report_load", "rank": rank, "running": turn + rank,
+                        "waiting": rank % 2, "tokens": 1_000 * (rank + 1), "timestamp": turn + 1});
+                    // From the third round on, with SGLang's prefill queue.
+                    if turn >= 2 {
+                        op["waiting_tokens"] = json!(3_000 * (rank % 2) * turn);
+                    }
+                    ops.push(op);
                 }
                 if turn == 1 {
                     ops.push(json!({"op": "set_active", "rank": 3, "active": false}));
@@ -358,10 +394,13 @@ mod scripted {
             "report_load" => json!(r
                 .report_load(
                     op["rank"].as_i64().unwrap(),
-                    op["running"].as_u64().unwrap(),
-                    op["waiting"].as_u64().unwrap(),
-                    op["tokens"].as_u64().unwrap(),
-                    op["timestamp"].as_u64().unwrap(),
+                    LoadReport {
+                        running: op["running"].as_u64().unwrap(),
+                        waiting: op["waiting"].as_u64().unwrap(),
+                        tokens: op["tokens"].as_u64().unwrap(),
+                        waiting_tokens: op["waiting_tokens"].as_u64(),
+                        timestamp: op["timestamp"].as_u64().unwrap(),
+                    },
                 )
                 .unwrap()),
             "set_active" => {

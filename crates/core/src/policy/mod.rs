@@ -438,7 +438,7 @@ mod tests {
                 let policy = PolicyConfig::from_name(name).unwrap().build();
                 let snap = Snapshot::single_worker(health.len() as u32).with_health(|i, _| health[i]);
                 for (r, &(requests, tokens)) in loads.iter().take(snap.len()).enumerate() {
-                    snap.load(r).apply_report(EngineReport { requests, tokens, timestamp: 1, waiting: 0 });
+                    snap.load(r).apply_report(EngineReport { requests, tokens, timestamp: 1, waiting: 0, queued_prefill_tokens: None });
                 }
                 let mut held = Vec::new();
                 for (ids, room) in &prompts {
