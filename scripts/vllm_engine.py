@@ -10,6 +10,13 @@
         5 to 10 minutes and 3.2 GB of downloads the first time); other folders of this script there are removed.
         Exits 3 with a message when the package index cannot be reached at all, 1 when an install step fails.
 
+    python3 scripts/vllm_engine.py install-sglang
+        Installs (or finds) the environment above, then SGLang's released package (`sglang-requirements.txt`:
+        SGLang 0.5.23 and what its DP controller and test utilities import beyond the vLLM environment's packages),
+        without dependencies, into a folder of its own inside that environment's (520 MB, half a minute), and
+        prints that folder: put it on PYTHONPATH for the environment's python. For the in-engine plugin's tests,
+        which drive SGLang's real DP controller code on CPU (no SGLang server runs here).
+
     VENV/bin/python scripts/vllm_engine.py run --model DIR [--dp-size N] [--port P] [--kv-events SPEC] [--quiet]
                                                 [-- VLLM_SERVE_ARGS...]
         Starts `vllm serve DIR` on 127.0.0.1:P in its own process group with the flags the CPU build needs
@@ -93,13 +100,13 @@ def pip(python, *args):
 
 
 def install():
+    """Installs (or finds) the environment; returns its python."""
     root = cache_root()
     home = os.path.join(root, PREFIX + key())
     python = os.path.join(home, "venv", "bin", "python")
     done = os.path.join(home, "installed")
     if os.path.exists(done) and os.path.exists(python):
-        print(python)
-        return
+        return python
     os.makedirs(root, exist_ok=True)
     if not index_reachable():
         print("the package index cannot be reached: vLLM cannot be installed", file=sys.stderr)
@@ -117,7 +124,29 @@ def install():
     convert(python, os.path.join(home, "smollm2"))
     with open(done, "w") as f:
         f.write(key() + "\n")
-    print(python)
+    return python
+
+
+def install_sglang():
+    """SGLang's package in a folder of the environment's home named by a hash of its pins; returns the folder."""
+    python = install()
+    home = os.path.dirname(os.path.dirname(os.path.dirname(python)))
+    frozen = os.path.join(HERE, "sglang-requirements.txt")
+    with open(frozen, "rb") as f:
+        site = os.path.join(home, "sglang-" + hashlib.sha256(f.read()).hexdigest()[:16])
+    done = os.path.join(site, ".installed")
+    if os.path.exists(done):
+        return site
+    if not index_reachable():
+        print("the package index cannot be reached: SGLang cannot be installed", file=sys.stderr)
+        sys.exit(3)
+    for name in os.listdir(home):
+        if name.startswith("sglang-"):
+            shutil.rmtree(os.path.join(home, name), ignore_errors=True)
+    pip(python, "--no-deps", "--target", site, "-r", frozen)
+    with open(done, "w") as f:
+        f.write("\n")
+    return site
 
 
 def resolve(python):
@@ -378,6 +407,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("install", help="install (or find) the pinned vLLM and converted model; print its python")
+    commands.add_parser("install-sglang", help="install (or find) SGLang's package beside it; print its folder")
     p = commands.add_parser("resolve", help="install by resolution into VENV, to freeze new pins")
     p.add_argument("venv")
     p = commands.add_parser("convert-model", help="convert the GGUF into a Hugging Face checkpoint")
@@ -396,7 +426,9 @@ def main():
     commands.add_parser("vllm", help="vLLM's own command line: every argument after it is vLLM's")
     args = parser.parse_args()
     if args.command == "install":
-        install()
+        print(install())
+    elif args.command == "install-sglang":
+        print(install_sglang())
     elif args.command == "resolve":
         python = os.path.join(args.venv, "bin", "python")
         if not os.path.exists(python):

@@ -1,13 +1,14 @@
 //! The `dprouter` Python package (`crates/python`): its wheel, built from this clone the way `pip install
 //! crates/python` builds it (maturin, in its own target directory: the one `cargo test` holds is locked), passes
 //! the package's own Python tests (`crates/python/tests`: the API, token id buffers, parity with the core, the
-//! vLLM plugin against the vLLM package), and then a real vLLM with the plugin enabled routes four multi-turn
-//! conversations to the ranks that hold them.
+//! vLLM plugin against the vLLM package, the SGLang plugin driving SGLang's real DP controller code), and then a
+//! real vLLM with the plugin enabled routes four multi-turn conversations to the ranks that hold them.
 //!
-//! The Python is the real-vLLM test's (`scripts/vllm_engine.py install`: Python 3.11 with vLLM, numpy and pip);
-//! the wheel is installed with `--no-deps --target` into `target/python/site`, which only these tests put on
-//! `PYTHONPATH`, so the other real-vLLM tests see the venv as it is. Skipped, with a message, only when the
-//! package index cannot be reached at all.
+//! The Python is the real-vLLM test's (`scripts/vllm_engine.py install`: Python 3.11 with vLLM, numpy and pip),
+//! with SGLang's package beside it (`install-sglang`, a folder of its own); the wheel is installed with
+//! `--no-deps --target` into `target/python/site`. Only these tests put those folders on `PYTHONPATH`, so the
+//! other real-vLLM tests see the venv as it is. Skipped, with a message, only when the package index cannot be
+//! reached at all.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -18,7 +19,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use common::conversations::{agent_pause, converse_paced, hits, summary};
-use common::{vllm_python, VllmEngine};
+use common::{sglang_site, vllm_python, VllmEngine};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -36,12 +37,19 @@ fn run(command: &mut Command, what: &str) -> String {
     text
 }
 
-/// The Python to test with, and the folder the wheel is installed in; built once per test binary.
-fn package() -> Option<&'static (PathBuf, PathBuf)> {
-    static PACKAGE: OnceLock<Option<(PathBuf, PathBuf)>> = OnceLock::new();
+/// The Python to test with, the folder the wheel is installed in, and SGLang's; built once per test binary.
+struct Package {
+    python: PathBuf,
+    site: PathBuf,
+    sglang: PathBuf,
+}
+
+fn package() -> Option<&'static Package> {
+    static PACKAGE: OnceLock<Option<Package>> = OnceLock::new();
     PACKAGE
         .get_or_init(|| {
             let python = vllm_python()?;
+            let sglang = sglang_site()?;
             let dir = root().join("target/python");
             let (wheels, site) = (dir.join("wheels"), dir.join("site"));
             for d in [&wheels, &site] {
@@ -69,26 +77,27 @@ fn package() -> Option<&'static (PathBuf, PathBuf)> {
                     .arg(&wheel),
                 "installing the wheel",
             );
-            Some((python, site))
+            Some(Package { python, site, sglang })
         })
         .as_ref()
 }
 
 #[test]
 fn the_packages_own_python_tests_pass() {
-    let Some((python, site)) = package() else { return };
+    let Some(p) = package() else { return };
+    let path = std::env::join_paths([&p.site, &p.sglang]).unwrap();
     let out = run(
-        Command::new(python)
+        Command::new(&p.python)
             .args(["-m", "unittest", "discover", "-v", "-s"])
             .arg(root().join("crates/python/tests"))
-            .env("PYTHONPATH", site),
+            .env("PYTHONPATH", path),
         "the Python package's tests",
     );
     eprintln!("{out}");
-    // Every test ran and passed (none skipped: this Python has vLLM and numpy).
+    // Every test ran and passed (none skipped: this Python has vLLM, SGLang and numpy).
     assert!(!out.contains("skipped"), "{out}");
     assert!(
-        out.contains("\nRan 16 tests") && out.trim_end().ends_with("OK"),
+        out.contains("\nRan 20 tests") && out.trim_end().ends_with("OK"),
         "{out}"
     );
 }
@@ -99,8 +108,8 @@ fn the_packages_own_python_tests_pass() {
 /// `tests/real_vllm.rs`, `vllms_own_balancer_on_four_conversations`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_vllm_the_plugin_keeps_four_conversations_on_their_ranks() {
-    let Some((_, site)) = package() else { return };
-    let site = site.to_str().unwrap().to_string();
+    let Some(p) = package() else { return };
+    let site = p.site.to_str().unwrap().to_string();
     let engine = tokio::task::spawn_blocking(move || {
         VllmEngine::start(&[("PYTHONPATH", &site), ("DPROUTER_POLICY", "cache_aware")])
     })

@@ -365,6 +365,33 @@ pub fn vllm_python() -> Option<std::path::PathBuf> {
     Some(stdout.lines().last().unwrap().trim().into())
 }
 
+/// SGLang's released package (`scripts/vllm_engine.py install-sglang`: SGLang 0.5.23 and what its DP controller
+/// imports beyond the vLLM environment), a folder to put on `PYTHONPATH` for [`vllm_python`]'s Python. `None`
+/// when the package index cannot be reached at all; any other failure to install panics.
+pub fn sglang_site() -> Option<std::path::PathBuf> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg("install-sglang")
+        .output()
+        .unwrap();
+    if out.status.code() == Some(3) {
+        eprintln!(
+            "skipped: SGLang cannot be installed here: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        return None;
+    }
+    assert!(
+        out.status.success(),
+        "installing SGLang failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    Some(stdout.lines().last().unwrap().trim().into())
+}
+
 /// A real vLLM serving SmolLM2 on loopback with `--data-parallel-size 2` (`scripts/vllm_engine.py run`), its ranks'
 /// KV event publishers connecting to `127.0.0.1:events + r` (where a gateway binds) and serving replays on
 /// `127.0.0.1:events + 100 + r`. Started once per test binary ([`VllmEngine::shared`]); it stops when the test
