@@ -19,8 +19,8 @@
 //!
 //! Two shapes ([`Shape`]): the feed connects to a publisher that binds (`kv_events`; SGLang, the mock engine, vLLM
 //! with `tcp://*:PORT`), or binds where a publisher connects (`kv_events_bind`; vLLM with `tcp://HOST:PORT`). Each
-//! publisher's connection is a ZMTP connection of [`crate::zmtp`] in a task of its own, which reads its messages
-//! within [`LIMITS`] (a message over 4 MiB ends the connection and counts as an error) into a queue of at most
+//! publisher's connection is a ZMTP connection of [`dprouter_zmtp`] in a task of its own, which reads its messages
+//! within [`kv::LIMITS`] (a message over 4 MiB ends the connection and counts as an error) into a queue of at most
 //! [`PEER_QUEUE`] messages, and tells the feed when it is up and when it ends: `connected` turns false as soon as
 //! the publisher's connection closes, and a connecting feed connects afresh every second. A replay's answer is
 //! bounded too ([`MAX_REPLAY_BYTES`]). When
@@ -29,7 +29,7 @@
 //! another means the engine restarted, and its endpoint's index is emptied then, before any request goes there.
 //! Without a replay endpoint the feed cannot tell, and the endpoint is approximate until the next stored blocks.
 //! A host that vanishes without closing its connection (powered off, cut from the network) is noticed by TCP
-//! keepalive ([`KEEPALIVE`]): about 16 s after the last byte, the connection fails and the feed is not connected.
+//! keepalive ([`kv::KEEPALIVE`]): about 16 s after the last byte, the connection fails and the feed is not connected.
 //!
 //! Workers added at run time (`POST /workers`) have no events: only the config file names them.
 
@@ -51,7 +51,7 @@ use crate::config::{worker_url_key, WorkerConfig};
 use crate::policies::Policies;
 use crate::registry::Registry;
 use crate::telemetry;
-use crate::zmtp;
+use dprouter_zmtp::{self as zmtp, kv};
 
 pub use dprouter_core::kv_feed::MAX_ENGINE_BLOCKS;
 /// How long a replay may take.
@@ -60,12 +60,6 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 const RECONNECT: Duration = Duration::from_secs(1);
 /// The end-of-replay sequence number.
 const END: u64 = u64::MAX;
-/// What one publisher's message may hold: a batch of events (a step's, a few KB to a few hundred KB even for a
-/// long prefill) in a few frames. A message past it ends the publisher's connection.
-const LIMITS: zmtp::Limits = zmtp::Limits {
-    max_message: 4 << 20,
-    max_frames: 8,
-};
 /// A replay's whole answer, at most (vLLM keeps 10,000 batches).
 const MAX_REPLAY_BYTES: usize = 64 << 20;
 const MAX_REPLAY_BATCHES: usize = 20_000;
@@ -74,7 +68,7 @@ const PEER_QUEUE: usize = 16;
 /// Publishers connected at once to a binding feed.
 const MAX_PUBLISHERS: usize = 8;
 /// How long connecting and greeting may take.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+const HANDSHAKE_TIMEOUT: Duration = kv::HANDSHAKE_TIMEOUT;
 /// The `kind`s of `dprouter_kv_event_errors_total`.
 const ERROR_KINDS: [&str; 7] = ["gap", "restart", "decode", "orphan", "overflow", "replay", "frames"];
 
@@ -295,7 +289,7 @@ impl Feed {
                     }
                 }
                 Peer::Message(frames) => {
-                    let Some((seq, payload)) = sequenced(&frames) else {
+                    let Some((seq, payload)) = kv::sequenced(&frames) else {
                         self.count("frames");
                         continue;
                     };
@@ -497,20 +491,13 @@ fn deliver<'a>(parts: &'a FeedParts, endpoint: EndpointId, models: &'a [String])
     }
 }
 
-/// The sequence number and payload of a message: `[topic, seq, payload]` (or without the topic).
-fn sequenced(frames: &[Bytes]) -> Option<(u64, &[u8])> {
-    let [.., seq, payload] = frames else { return None };
-    let seq = <[u8; 8]>::try_from(seq.as_ref()).ok()?;
-    Some((u64::from_be_bytes(seq), payload.as_ref()))
-}
-
 /// Asks a replay endpoint for every batch from `from`; returns them in order. Replies are
 /// `[empty, seq, payload]` or, from newer vLLM, `[empty, topic, seq, payload]`, ending with sequence -1. At most
 /// [`MAX_REPLAY_BYTES`] in all, and [`MAX_REPLAY_BATCHES`] batches.
 async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, String> {
     let address = zmtp::tcp_address(endpoint).ok_or_else(|| format!("{endpoint} is not tcp://host:port"))?;
     let stream = TcpStream::connect(&address).await.map_err(|e| e.to_string())?;
-    let mut conn = zmtp::Connection::handshake(stream, "DEALER", LIMITS, HANDSHAKE_TIMEOUT)
+    let mut conn = zmtp::Connection::handshake(stream, "DEALER", kv::LIMITS, HANDSHAKE_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
     conn.send(&[b"", &from.to_be_bytes()])
@@ -520,7 +507,7 @@ async fn fetch_replay(endpoint: &str, from: u64) -> Result<Vec<(u64, Bytes)>, St
     let mut total = 0usize;
     loop {
         let frames = conn.recv().await.map_err(|e| e.to_string())?;
-        let (seq, payload) = sequenced(&frames).ok_or("a replay reply without a sequence number")?;
+        let (seq, payload) = kv::sequenced(&frames).ok_or("a replay reply without a sequence number")?;
         if seq == END {
             return Ok(batches);
         }
@@ -543,28 +530,16 @@ enum Peer {
     Down(Option<zmtp::ZmtpError>),
 }
 
-/// TCP keepalive on a publisher's connection: probes after 10 s without a byte, 3 of them 2 s apart; a host that
-/// vanished answers none, and the connection fails about 16 s after its last byte. (ZMTP 3.1's heartbeats would
-/// need every publisher to send them; the kernel's probes need nothing of it.)
-const KEEPALIVE: socket2::TcpKeepalive = socket2::TcpKeepalive::new()
-    .with_time(Duration::from_secs(10))
-    .with_interval(Duration::from_secs(2))
-    .with_retries(3);
-
-/// Reads one publisher's connection into `tell` until it ends.
+/// Reads one publisher's connection into `tell` until it ends (with TCP keepalive: [`kv::KEEPALIVE`]).
 async fn pump(stream: TcpStream, tell: &mpsc::Sender<Peer>) {
-    if let Err(e) = socket2::SockRef::from(&stream).set_tcp_keepalive(&KEEPALIVE) {
-        tracing::debug!(error = %e, "KV events: cannot set TCP keepalive");
-    }
-    let conn = zmtp::Connection::handshake(stream, "SUB", LIMITS, HANDSHAKE_TIMEOUT).await;
-    let mut conn = match conn {
+    let mut conn = match kv::subscribe(stream, b"").await {
         Ok(conn) => conn,
         Err(e) => {
             tracing::debug!(error = %e, "KV events: a publisher's handshake failed");
             return;
         }
     };
-    if conn.subscribe(b"").await.is_err() || tell.send(Peer::Up).await.is_err() {
+    if tell.send(Peer::Up).await.is_err() {
         return;
     }
     let ended = loop {
@@ -653,18 +628,5 @@ mod tests {
         assert!(socket2::SockRef::from(&same).keepalive().unwrap());
         drop(publisher);
         pumping.await.unwrap();
-    }
-
-    #[test]
-    fn sequence_numbers_are_read_with_or_without_the_topic() {
-        let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
-        let payload = Bytes::from_static(b"p");
-        assert_eq!(
-            sequenced(&[Bytes::new(), seq.clone(), payload.clone()]),
-            Some((7, &b"p"[..]))
-        );
-        assert_eq!(sequenced(&[seq, payload.clone()]), Some((7, &b"p"[..])));
-        assert_eq!(sequenced(&[Bytes::from_static(b"short"), payload]), None);
-        assert_eq!(sequenced(&[]), None);
     }
 }

@@ -47,7 +47,6 @@ pub mod telemetry;
 pub mod tls;
 pub mod tokens;
 pub mod upstream;
-pub mod zmtp;
 
 pub use config::{Backend, GatewayConfig, RankField, WorkerConfig};
 pub use error::ApiError;

@@ -10,8 +10,10 @@
 //!
 //! Times (`now_us`) are microseconds on a monotonic clock; left out, this module's own clock is used.
 
+mod kv_events;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use dprouter_core::dp_router::{
@@ -22,7 +24,7 @@ use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 pyo3::create_exception!(
     _dprouter,
@@ -165,7 +167,10 @@ impl From<Decision> for Pick {
 /// A router over one engine's data-parallel ranks with one of dprouter's policies.
 #[pyclass(frozen, module = "dprouter")]
 pub struct Router {
-    inner: Mutex<DpRouter>,
+    /// Shared with the KV event feeds' thread.
+    inner: Arc<Mutex<DpRouter>>,
+    /// The ranks' KV event feeds, started by the first `follow_kv_events`.
+    feeds: Mutex<Option<kv_events::Feeds>>,
 }
 
 impl Router {
@@ -218,7 +223,8 @@ impl Router {
             };
             let router = DpRouter::new(policy, num_ranks, limits).map_err(error)?;
             Ok(Self {
-                inner: Mutex::new(router),
+                inner: Arc::new(Mutex::new(router)),
+                feeds: Mutex::new(None),
             })
         })
     }
@@ -386,6 +392,69 @@ impl Router {
                 KvOutcome::Gap { .. } => "gap",
                 KvOutcome::Undecodable(_) => "undecodable",
             })
+        })
+    }
+
+    /// Follows `rank`'s KV event publisher at `endpoint` (`tcp://host:port`) in a background thread: connects to
+    /// a publisher that binds or, with `bind`, binds there for a publisher that connects; subscribes to `topic`.
+    /// Each batch goes to `apply_kv_events`. Read with the gateway's bounded ZMTP reader: a hostile or broken
+    /// publisher ends its own connection (made again a second later), never the process.
+    #[pyo3(signature = (rank, endpoint, *, bind = false, topic = ""))]
+    fn follow_kv_events(&self, rank: i64, endpoint: &str, bind: bool, topic: &str) -> PyResult<()> {
+        guarded(|| {
+            let size = self.lock().num_ranks();
+            let rank = usize::try_from(rank)
+                .ok()
+                .filter(|&r| r < size)
+                .ok_or_else(|| error(DpRouterError::Rank { rank, size }))?;
+            let mut feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+            if feeds.is_none() {
+                let started = kv_events::Feeds::new()
+                    .map_err(|e| DprouterError::new_err(format!("cannot start the KV event thread: {e}")))?;
+                *feeds = Some(started);
+            }
+            let feeds = feeds
+                .as_mut()
+                .ok_or_else(|| DprouterError::new_err("no KV event feeds"))?;
+            feeds
+                .follow(
+                    Arc::clone(&self.inner),
+                    rank,
+                    endpoint,
+                    bind,
+                    topic.as_bytes().to_vec(),
+                    clock_us,
+                )
+                .map_err(DprouterError::new_err)
+        })
+    }
+
+    /// Each followed rank's feed: `rank`, `endpoint`, `bind`, `connected`, `batches`, `gaps`, `restarts`,
+    /// `decode_errors`, `frame_errors`.
+    fn kv_event_status<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        guarded(|| {
+            let feeds = self.feeds.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(feeds) = feeds.as_ref() else {
+                return Ok(Vec::new());
+            };
+            feeds
+                .statuses
+                .iter()
+                .map(|status| {
+                    let s = status.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                    let d = PyDict::new(py);
+                    d.set_item("rank", s.rank)?;
+                    d.set_item("endpoint", s.endpoint)?;
+                    d.set_item("bind", s.bind)?;
+                    d.set_item("connected", s.connected)?;
+                    d.set_item("batches", s.batches)?;
+                    d.set_item("gaps", s.gaps)?;
+                    d.set_item("restarts", s.restarts)?;
+                    d.set_item("decode_errors", s.decode_errors)?;
+                    d.set_item("frame_errors", s.frame_errors)?;
+                    Ok(d)
+                })
+                .collect()
         })
     }
 

@@ -6,8 +6,12 @@ Run by `tests/python_package.rs` (with the wheel built from this clone on PYTHON
 
 import array
 import json
+import socket
+import struct
 import threading
+import time
 import unittest
+from importlib.util import find_spec
 from pathlib import Path
 
 import dprouter
@@ -156,6 +160,103 @@ class RouterApi(unittest.TestCase):
         for t in threads:
             t.join()
         self.assertEqual((errors, router.tickets, sum(router.in_flight())), ([], 0, 0))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stored_batch(ts, first_hash, tokens, block=16):
+    """A KV event batch storing `tokens` in blocks of `block` (vLLM's positional encoding), as msgpack."""
+    import msgspec
+
+    hashes = list(range(first_hash, first_hash + len(tokens) // block))
+    return msgspec.msgpack.encode([ts, [["BlockStored", hashes, None, tokens, block, None]]])
+
+
+def wait_for(condition, what, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@unittest.skipIf(find_spec("zmq") is None or find_spec("msgspec") is None, "needs pyzmq and msgspec (vLLM's Python)")
+class KvEventFeeds(unittest.TestCase):
+    """`Router.follow_kv_events` against pyzmq publishers (libzmq), in both socket shapes, and a hostile peer."""
+
+    def check_precise(self, bind_router):
+        import zmq
+
+        port = free_port()
+        router = dprouter.Router("cache_aware:block_tokens=16", 2)
+        context = zmq.Context()
+        pub = context.socket(zmq.PUB)
+        try:
+            if bind_router:
+                router.follow_kv_events(1, f"tcp://127.0.0.1:{port}", bind=True, topic="kv")
+                pub.connect(f"tcp://127.0.0.1:{port}")
+            else:
+                pub.bind(f"tcp://127.0.0.1:{port}")
+                router.follow_kv_events(1, f"tcp://127.0.0.1:{port}", topic="kv")
+            tokens = run(9, 64)
+            seq = 0
+
+            def delivered():
+                nonlocal seq
+                # A subscription takes a moment to reach the publisher: send until a batch is applied.
+                pub.send_multipart([b"kv", seq.to_bytes(8, "big"), stored_batch(1.0 + seq, 100, tokens)])
+                seq += 1
+                return router.kv_event_status()[0]["batches"] > 0
+
+            wait_for(delivered, "a batch")
+            status = router.kv_event_status()[0]
+            self.assertEqual((status["rank"], status["connected"], status["bind"]), (1, True, bind_router))
+            hit = router.best_rank(tokens + [5, 6, 7])
+            self.assertEqual((hit.rank, hit.branch, hit.predicted_cached_tokens), (1, "hit", 64))
+            # Other topics are not delivered.
+            pub.send_multipart([b"other", (10**6).to_bytes(8, "big"), b"\xc1"])
+            time.sleep(0.3)
+            self.assertEqual(router.kv_event_status()[0]["decode_errors"], 0)
+        finally:
+            pub.close(linger=0)
+            context.term()
+
+    def test_a_publisher_that_binds(self):
+        self.check_precise(bind_router=False)
+
+    def test_a_publisher_that_connects(self):
+        self.check_precise(bind_router=True)
+
+    def test_a_hostile_publisher_ends_its_connection_not_the_process(self):
+        # A ZMTP 3 greeting and READY, then a frame declaring a petabyte (the `zeromq` crate aborted on this).
+        greeting = bytes([0xFF] + [0] * 7 + [1, 0x7F, 3, 0]) + b"NULL" + bytes(16) + bytes([0]) + bytes(31)
+        ready = b"\x05READY" + b"\x0bSocket-Type" + struct.pack(">I", 3) + b"PUB"
+        command = bytes([0x04, len(ready)]) + ready
+        huge = bytes([0x02]) + struct.pack(">Q", 1 << 50)
+        server = socket.create_server(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        connections = []
+
+        def serve():
+            for _ in range(2):
+                conn, _ = server.accept()
+                connections.append(conn)
+                conn.sendall(greeting + command + huge)
+
+        threading.Thread(target=serve, daemon=True).start()
+        router = dprouter.Router("cache_aware", 2)
+        router.follow_kv_events(0, f"tcp://127.0.0.1:{port}")
+        wait_for(lambda: router.kv_event_status()[0]["frame_errors"] >= 2, "two refused messages")
+        # Still routing, and the feed tried again after the first.
+        self.assertEqual(router.pick([1, 2, 3]).branch, "cold")
+        server.close()
+        for conn in connections:
+            conn.close()
 
 
 class Parity(unittest.TestCase):

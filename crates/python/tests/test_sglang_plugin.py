@@ -207,6 +207,51 @@ class InSglang(unittest.TestCase):
             SGLANG_USE_PICKLE_IPC="false",
         )
 
+    def test_the_ranks_kv_events_make_cache_aware_precise(self):
+        python(
+            """
+            import json, socket, time
+            from sglang.srt.disaggregation.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
+
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                base = s.getsockname()[1]
+            # SGLang's own publisher for rank 2, bound on loopback at base + 2 (SGLang's port-per-rank rule), and
+            # the controller's --kv-events-config naming the base.
+            config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{base}", "bind": True, "topic": "kv"}
+            ctl = dpc.DataParallelController.__new__(dpc.DataParallelController)
+            ctl.server_args = SimpleNamespace(disaggregation_mode="null", kv_events_config=json.dumps(config))
+            ctl2 = controller(4)
+            ctl.__dict__.update({k: v for k, v in ctl2.__dict__.items() if k not in ("server_args", "_dprouter", "dispatching")})
+            ctl.dispatching = ctl.total_tokens_scheduler
+            for _, hook, _ in HookRegistry._hooks[TARGET]:
+                hook(None, ctl)
+            router = ctl._dprouter.router
+            status = router.kv_event_status()
+            assert [(s["rank"], s["endpoint"], s["bind"]) for s in status] == [
+                (r, f"tcp://127.0.0.1:{base + r}", False) for r in range(4)], status
+
+            tokens = run(21, 640)
+            cold = router.best_rank(tokens).rank
+            rank = (cold + 1) % 4
+            publisher = ZmqEventPublisher(rank, endpoint=f"tcp://127.0.0.1:{base}", topic="kv", bind=True)
+            deadline = time.monotonic() + 20
+            while router.kv_event_status()[rank]["batches"] == 0:
+                assert time.monotonic() < deadline, router.kv_event_status()
+                # One-token pages, as SGLang's radix cache stores them.
+                publisher.publish(KVEventBatch(ts=time.time(), events=[BlockStored(
+                    block_hashes=list(range(1, 641)), parent_block_hash=None, token_ids=tokens, block_size=1,
+                    lora_id=None)]))
+                time.sleep(0.1)
+            ctl.dispatching_with_trace(request("warm", tokens + [1, 2, 3]))
+            assert rank_of(ctl, "warm") == rank, (rank, cold)
+            hit = router.best_rank(tokens + [4])
+            assert (hit.rank, hit.branch, hit.predicted_cached_tokens) == (rank, "hit", 640), hit
+            publisher.shutdown()
+            """,
+            DPROUTER_POLICY="cache_aware",
+        )
+
     def test_nothing_changes_without_dprouter_policy_or_outside_the_whitelist(self):
         for env in ({}, {"DPROUTER_POLICY": "cache_aware", "SGLANG_PLUGINS": "someone_else"}):
             python(

@@ -16,6 +16,10 @@ With ``DPROUTER_POLICY`` set (a policy spec, as ``dprouter serve --policy`` take
   ``refresh_load_budget``; they carry the uncached tokens waiting, so ``cache_aware`` sees each rank's prefill
   queue). The schedulers publish snapshots under ``--load-balance-method total_requests`` or ``total_tokens``:
   keep one of those. The controller never sees a request finish, so no ticket is kept;
+- with ``--kv-events-config`` (a ``zmq`` publisher), the router follows each rank's KV events (SGLang's rule: rank
+  r publishes at the endpoint's port + r; it binds a wildcard host, or when ``bind`` says so, and the router
+  connects to it on loopback; otherwise the router binds where it connects), through the gateway's bounded ZMTP
+  reader in a background thread: ``cache_aware`` then knows what each rank holds (precise mode);
 - prefill/decode disaggregation (``disaggregation_mode`` other than ``null``) keeps SGLang's dispatch.
 
 Without ``DPROUTER_POLICY`` nothing changes; on an SGLang whose hook points differ, a warning is logged and
@@ -25,6 +29,7 @@ routing is left to SGLang; a failing pick falls back to SGLang's own method for 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -110,6 +115,35 @@ class Routing:
         sys.modules[MODULE].sock_send(ctl.workers[pick.rank], req)
 
 
+def kv_event_sources(controller, ranks: int) -> list[tuple[int, str, bool, str]]:
+    """(rank, endpoint, bind, topic) of each rank's KV event publisher, from the controller's
+    ``--kv-events-config``: empty without a ``zmq`` publisher on ``tcp://``."""
+    raw = getattr(getattr(controller, "server_args", None), "kv_events_config", None)
+    if not raw:
+        return []
+    config = json.loads(raw) if isinstance(raw, str) else dict(raw)
+    if config.get("publisher", "null") != "zmq":
+        return []
+    endpoint = config.get("endpoint") or "tcp://*:5557"
+    if not endpoint.startswith("tcp://") or ":" not in endpoint[len("tcp://") :]:
+        logger.warning("dprouter: KV events at %s are not tcp://host:port: not followed", endpoint)
+        return []
+    host, port = endpoint[len("tcp://") :].rsplit(":", 1)
+    wildcard = host in ("*", "0.0.0.0", "::", "[::]")
+    publisher_binds = config.get("bind")
+    if publisher_binds is None:
+        publisher_binds = wildcard
+    topic = config.get("topic") or ""
+    sources = []
+    for rank in range(ranks):
+        at = int(port) + rank
+        if publisher_binds:
+            sources.append((rank, f"tcp://{'127.0.0.1' if wildcard else host}:{at}", False, topic))
+        else:
+            sources.append((rank, f"tcp://{host}:{at}", True, topic))
+    return sources
+
+
 def install(controller, policy: str) -> Routing | None:
     """Puts a Router in `controller`'s dispatch (what the hook does after `__init__`); returns it, or None when the
     controller keeps SGLang's dispatch (prefill/decode disaggregation). Installing twice keeps the first."""
@@ -121,6 +155,8 @@ def install(controller, policy: str) -> Routing | None:
         logger.info("dprouter: disaggregation mode %s: SGLang's own dispatch", mode)
         return None
     routing = Routing(controller, policy)
+    for rank, endpoint, bind, topic in kv_event_sources(controller, routing.router.num_ranks):
+        routing.router.follow_kv_events(rank, endpoint, bind=bind, topic=topic)
     controller._dprouter = routing
     controller.dispatching = routing.dispatch
     logger.info("dprouter: SGLang's DP controller routes with %s over %d ranks", policy, routing.router.num_ranks)

@@ -1,6 +1,8 @@
 //! A minimal ZMTP 3 peer (ZeroMQ's wire protocol, RFC 23/ZMTP, NULL security) for what the KV event feeds need: a
 //! SUB that reads a publisher's messages, and a DEALER that asks a replay endpoint (a ROUTER) for past batches. It
-//! speaks to libzmq (vLLM's and SGLang's pyzmq) and to the `zeromq` crate (the mock engine) alike.
+//! speaks to libzmq (vLLM's and SGLang's pyzmq) and to the `zeromq` crate (the mock engine) alike. The gateway's
+//! feeds (`crates/gateway/src/kv_events.rs`) and the Python package's, inside an engine (`crates/python`), read
+//! publishers through it; [`kv`] holds what both need beyond the wire protocol.
 //!
 //! Unlike a general ZMQ library it bounds every byte a peer sends before it allocates it: a frame or a message
 //! longer than [`Limits::max_message`], more frames than [`Limits::max_frames`], a command over
@@ -11,6 +13,8 @@
 //!
 //! The greeting announces ZMTP 3.0, so a subscription is the 3.0 message `[0x01, topic]` that every ZMTP 3 publisher
 //! accepts; commands from the peer (`READY` properties, `PING` when it has heartbeats on) are read and skipped.
+
+pub mod kv;
 
 use std::time::Duration;
 
