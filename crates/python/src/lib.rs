@@ -178,6 +178,23 @@ impl Router {
         // A panic inside a call is caught and reported; the router's state stays usable.
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
+
+    /// Reads `token_ids` (with the interpreter), then decides with `how` (without it).
+    fn decide(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        options: Options,
+        now_us: Option<u64>,
+        how: impl FnOnce(&mut DpRouter, Vec<u32>, &PickOptions<'_>, u64) -> Result<Decision, DpRouterError> + Send,
+    ) -> PyResult<Pick> {
+        guarded(|| {
+            let tokens = read_tokens(token_ids)?;
+            let now = now_us.unwrap_or_else(clock_us);
+            py.detach(|| guarded(|| how(&mut self.lock(), tokens, &options.borrowed(), now).map_err(error)))
+                .map(Pick::from)
+        })
+    }
 }
 
 /// The request's options besides its prompt, owned (to be used with the interpreter released).
@@ -246,20 +263,15 @@ impl Router {
         eligible: Option<Vec<i64>>,
         now_us: Option<u64>,
     ) -> PyResult<Pick> {
-        guarded(|| {
-            let tokens = read_tokens(token_ids)?;
-            let options = Options {
-                request_id,
-                routed_rank,
-                bootstrap_room,
-                session,
-                cache_namespace,
-                eligible,
-            };
-            let now = now_us.unwrap_or_else(clock_us);
-            py.detach(|| guarded(|| self.lock().pick(tokens, &options.borrowed(), now).map_err(error)))
-                .map(Pick::from)
-        })
+        let options = Options {
+            request_id,
+            routed_rank,
+            bootstrap_room,
+            session,
+            cache_namespace,
+            eligible,
+        };
+        self.decide(py, token_ids, options, now_us, DpRouter::pick)
     }
 
     /// The rank `pick` would choose now, recording nothing.
@@ -277,19 +289,16 @@ impl Router {
         eligible: Option<Vec<i64>>,
         now_us: Option<u64>,
     ) -> PyResult<Pick> {
-        guarded(|| {
-            let tokens = read_tokens(token_ids)?;
-            let options = Options {
-                request_id: None,
-                routed_rank,
-                bootstrap_room,
-                session,
-                cache_namespace,
-                eligible,
-            };
-            let now = now_us.unwrap_or_else(clock_us);
-            py.detach(|| guarded(|| self.lock().best_rank(tokens, &options.borrowed(), now).map_err(error)))
-                .map(Pick::from)
+        let options = Options {
+            request_id: None,
+            routed_rank,
+            bootstrap_room,
+            session,
+            cache_namespace,
+            eligible,
+        };
+        self.decide(py, token_ids, options, now_us, |router, tokens, options, now| {
+            router.best_rank(tokens, options, now)
         })
     }
 
