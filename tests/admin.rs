@@ -10,24 +10,9 @@ use std::net::TcpListener;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{client, get, post, read, HttpClient, Proc, Reply};
+use common::{call, client, get, post, Proc};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
-
-/// A request with any method and headers.
-async fn call(c: &HttpClient, method: Method, url: &str, headers: &[(&str, &str)], body: Option<&Value>) -> Reply {
-    let mut req = hyper::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let body = body.map_or_else(bytes::Bytes::new, |b| bytes::Bytes::from(b.to_string()));
-    read(
-        c.request(req.body(http_body_util::Full::new(body)).unwrap())
-            .await
-            .unwrap(),
-    )
-    .await
-}
 
 /// Runs `dprouter ARGS` to its exit (killing it and failing after 20 s: a command that should have refused to
 /// start must not serve instead); returns its status and standard error.
@@ -250,9 +235,10 @@ async fn post_workers_validates_its_input() {
             "no user, path or query",
         ),
         (json!({"url": format!("{spare_url}/v1")}), "no user, path or query"),
+        (json!({"url": spare_url, "kv_events": "127.0.0.1:5557"}), "kv_events"),
         (
-            json!({"url": spare_url, "kv_events": "tcp://127.0.0.1:5557"}),
-            "config file only",
+            json!({"url": spare_url, "kv_events_replay": "tcp://127.0.0.1:5558"}),
+            "kv_events_replay needs",
         ),
         (json!({"url": spare_url, "weight": 2}), "weight"),
         (json!([spare_url, "vllm", 1, "routed_dp_rank"]), "JSON object"),

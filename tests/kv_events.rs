@@ -442,3 +442,65 @@ async fn chats_keyed_on_the_models_tokens_meet_the_engines_events() {
         );
     }
 }
+
+/// A worker added at run time (`POST /workers`) with `kv_events` is followed like a configured one: its feeds are
+/// listed and connected within seconds, its engine's cache is known, and removing it stops and unlists them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_added_at_run_time_is_followed_and_unfollowed_when_removed() {
+    let first = Proc::engine(&["--dp-size", "1"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("kv-events-added.toml");
+    let toml = format!(
+        "[routing]\npolicy = \"cache_aware\"\nblock_tokens = 16\n\n[[workers]]\nurl = {:?}\ndp_size = 1\n",
+        first.url
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    assert!(feeds(&gw).await.is_empty());
+    let engine = publishing_engine(&[]);
+    let info = get(&client(), &format!("{}/get_server_info", engine.url)).await.json;
+    let c = client();
+    let worker = json!({"url": engine.url, "dp_size": 2, "kv_events": info["kv_events_endpoints"],
+        "kv_events_replay": info["kv_events_replay_endpoints"]});
+    let added = post(&c, &format!("{}/workers", gw.url), &[], &worker).await;
+    assert_eq!(added.status, StatusCode::CREATED, "{}", added.text);
+    let id = added.json["id"].as_u64().unwrap();
+    let subscribed = eventually(Duration::from_secs(10), || async {
+        let feeds = feeds(&gw).await;
+        feeds.len() == 2 && feeds.iter().all(|f| f["connected"] == json!(true))
+    });
+    assert!(subscribed.await, "{:?}", feeds(&gw).await);
+    // A prompt cached at the engine directly is found where the engine put it.
+    let prompt = ids(77, 200);
+    let seeded = post(
+        &c,
+        &format!("{}/generate", engine.url),
+        &[],
+        &generate(&prompt, Some(1)),
+    )
+    .await;
+    assert_eq!(seeded.status, StatusCode::OK, "{}", seeded.text);
+    let followed = eventually(Duration::from_secs(10), || async {
+        feeds(&gw).await.iter().any(|f| f["router_blocks"].as_u64() == Some(12))
+    });
+    assert!(followed.await, "{:?}", feeds(&gw).await);
+    let reply = post(&c, &format!("{}/generate", gw.url), &[], &generate(&prompt, None)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert_eq!(
+        reply.endpoint.as_deref(),
+        Some(format!("w{id}r1").as_str()),
+        "{}",
+        reply.text
+    );
+    // Removed: its feeds stop and leave the list.
+    let removed = common::call(
+        &c,
+        hyper::Method::DELETE,
+        &format!("{}/workers/{id}", gw.url),
+        &[],
+        None,
+    )
+    .await;
+    assert_eq!(removed.status, StatusCode::OK, "{}", removed.text);
+    let gone = eventually(Duration::from_secs(5), || async { feeds(&gw).await.is_empty() });
+    assert!(gone.await, "{:?}", feeds(&gw).await);
+}

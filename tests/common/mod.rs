@@ -138,6 +138,22 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
     }
 }
 
+/// A request of any method, with `headers` and an optional JSON body.
+pub async fn call(
+    c: &HttpClient,
+    method: hyper::Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> Reply {
+    let mut req = hyper::Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let body = body.map_or_else(Bytes::new, |b| Bytes::from(b.to_string()));
+    read(c.request(req.body(Full::new(body)).unwrap()).await.unwrap()).await
+}
+
 pub async fn get(c: &HttpClient, url: &str) -> Reply {
     match tokio::time::timeout(ANSWER_LIMIT, c.get(url.parse().unwrap())).await {
         Ok(response) => read(response.unwrap()).await,

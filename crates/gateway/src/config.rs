@@ -106,6 +106,25 @@ pub struct WorkerConfig {
     pub kv_events_replay: Option<EventEndpoints>,
 }
 
+/// Where a worker's ranks publish their KV events, as its config gives them (see [`WorkerConfig`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerEvents {
+    pub kv_events: Option<EventEndpoints>,
+    pub kv_events_bind: Option<EventEndpoints>,
+    pub kv_events_replay: Option<EventEndpoints>,
+}
+
+impl WorkerConfig {
+    /// Its KV event endpoints, if it has any.
+    pub fn events(&self) -> Option<WorkerEvents> {
+        (self.kv_events.is_some() || self.kv_events_bind.is_some()).then(|| WorkerEvents {
+            kv_events: self.kv_events.clone(),
+            kv_events_bind: self.kv_events_bind.clone(),
+            kv_events_replay: self.kv_events_replay.clone(),
+        })
+    }
+}
+
 /// ZMQ endpoints of a worker's ranks: `"tcp://host:port"` (rank r at port + r) or one per rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]

@@ -31,7 +31,8 @@
 //! A host that vanishes without closing its connection (powered off, cut from the network) is noticed by TCP
 //! keepalive ([`kv::KEEPALIVE`]): about 16 s after the last byte, the connection fails and the feed is not connected.
 //!
-//! Workers added at run time (`POST /workers`) have no events: only the config file names them.
+//! A worker added at run time (`POST /workers`) with `kv_events` gets its feeds within a second, and a removed one's
+//! stop and leave `/kv_events`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,7 +48,6 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use crate::config::{worker_url_key, WorkerConfig};
 use crate::policies::Policies;
 use crate::registry::Registry;
 use crate::telemetry;
@@ -116,28 +116,20 @@ fn lock(feeds: &Feeds) -> std::sync::MutexGuard<'_, HashMap<EndpointId, FeedStat
     feeds.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// What the feeds take of the gateway: the workers configured (with their event endpoints), the registry whose
-/// membership says which endpoints exist, the policies to hand the changes to, and where each feed's status goes.
+/// What the feeds take of the gateway: the registry, whose membership says which endpoints exist and where their
+/// workers publish events (the config file's workers and those added by `POST /workers` alike), the policies to
+/// hand the changes to, and where each feed's status goes.
 #[derive(Clone)]
 pub struct FeedParts {
-    pub workers: Vec<WorkerConfig>,
     pub registry: Arc<Registry>,
     pub policies: Arc<Policies>,
     pub feeds: Feeds,
 }
 
-/// Starts the supervisor when a worker has `kv_events` (or `kv_events_bind`) and the policy, `routing`, is
-/// `cache_aware`.
+/// Starts the supervisor when the policy, `routing`, is `cache_aware` (the only one that uses events): it follows
+/// the workers with events as they come and go.
 pub fn spawn(parts: FeedParts, routing: &PolicyConfig, stop: watch::Receiver<bool>) -> Option<JoinHandle<()>> {
-    if !parts
-        .workers
-        .iter()
-        .any(|w| w.kv_events.is_some() || w.kv_events_bind.is_some())
-    {
-        return None;
-    }
     let PolicyConfig::CacheAware(policy) = routing else {
-        tracing::warn!("kv_events are configured, but only cache_aware uses them: not subscribing");
         return None;
     };
     let block_tokens = policy.block_tokens;
@@ -174,8 +166,7 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<
     let membership = parts.registry.membership();
     let mut present = Vec::new();
     for target in &membership.targets {
-        let key = worker_url_key(&target.base);
-        let Some(worker) = parts.workers.iter().find(|w| worker_url_key(&w.url) == key) else {
+        let Some(worker) = target.events.as_deref() else {
             continue;
         };
         let rank = target.id.dp_rank;

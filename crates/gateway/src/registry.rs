@@ -32,7 +32,7 @@ use arc_swap::ArcSwap;
 use dprouter_core::{Endpoint, EndpointId, EndpointLoad, Snapshot, WorkerId};
 use tokio::sync::Notify;
 
-use crate::config::{Backend, HealthConfig, RankField, WorkerConfig};
+use crate::config::{Backend, HealthConfig, RankField, WorkerConfig, WorkerEvents};
 use crate::upstream::WorkerInfo;
 
 /// Where and how to send a request for one endpoint.
@@ -47,6 +47,8 @@ pub struct Target {
     pub state: Arc<EndpointState>,
     /// The models its worker serves; empty when unknown (it takes any).
     pub models: Arc<[String]>,
+    /// Where its worker's ranks publish KV events, when it was given them.
+    pub events: Option<Arc<WorkerEvents>>,
 }
 
 impl Target {
@@ -207,6 +209,8 @@ pub struct WorkerState {
     pub kv_capacity: Option<u64>,
     /// The models it serves; empty when unknown.
     pub models: Arc<[String]>,
+    /// Where its ranks publish KV events, when it was given them.
+    pub events: Option<Arc<WorkerEvents>>,
     pub endpoints: Vec<Arc<EndpointState>>,
     active_healthy: AtomicBool,
     /// A request failed to reach it since its last probe: one failed probe confirms it is down.
@@ -303,6 +307,7 @@ impl Registry {
             rank_field: config.rank_field,
             kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
             models: info.models.into(),
+            events: config.events().map(Arc::new),
             endpoints: (0..info.dp_size)
                 .map(|rank| {
                     Arc::new(EndpointState::new(EndpointId {
@@ -520,6 +525,7 @@ impl Registry {
                     rank_field: w.rank_field,
                     state: Arc::clone(e),
                     models: Arc::clone(&w.models),
+                    events: w.events.clone(),
                 });
             }
         }

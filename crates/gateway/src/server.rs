@@ -168,8 +168,12 @@ pub async fn serve(
     }
     let (stop, stopped) = watch::channel(false);
     let mut tasks = health::spawn(Arc::clone(&state), stopped.clone());
+    if !matches!(state.config.routing, dprouter_core::PolicyConfig::CacheAware(_))
+        && state.config.workers.iter().any(|w| w.events().is_some())
+    {
+        tracing::warn!("kv_events are configured, but only cache_aware uses them: not subscribing");
+    }
     let feeds = crate::kv_events::FeedParts {
-        workers: state.config.workers.clone(),
         registry: Arc::clone(&state.registry),
         policies: Arc::clone(&state.policies),
         feeds: state.kv_feeds.clone(),
@@ -492,10 +496,11 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     )
 }
 
-/// `POST /workers` with a worker config: a JSON object of `url`, `backend`, `dp_size` (1 to
-/// [`MAX_DP_SIZE`](crate::config::MAX_DP_SIZE)), `rank_field`, nothing else. 400 for an invalid one, 409 for a URL
-/// already registered, 502 when the worker cannot tell its ranks: the reason (refused, timed out, …) goes to the log
-/// only, so the answer cannot be used to scan ports.
+/// `POST /workers` with a worker config: a JSON object of the fields a `[[workers]]` entry takes (`url`,
+/// `backend`, `dp_size` (1 to [`MAX_DP_SIZE`](crate::config::MAX_DP_SIZE)), `rank_field`, `kv_events`, ...). Its KV
+/// event feeds start with it (under `cache_aware`). 400 for an invalid one, 409 for a URL already registered, 502
+/// when the worker cannot tell its ranks: the reason (refused, timed out, …) goes to the log only, so the answer
+/// cannot be used to scan ports.
 async fn add_worker(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Response, ApiError> {
     use crate::config::{worker_url_key, ConfigError};
     use crate::state::StartError;
@@ -507,10 +512,12 @@ async fn add_worker(State(state): State<Arc<AppState>>, body: Bytes) -> Result<R
         ));
     }
     let worker: WorkerConfig = serde_json::from_value(value).map_err(|e| invalid(&e))?;
-    if worker.kv_events.is_some() || worker.kv_events_bind.is_some() || worker.kv_events_replay.is_some() {
-        return Err(invalid(
-            &"KV events are followed for the workers of the config file only: add this worker there to use them",
-        ));
+    let uses_events = matches!(state.config.routing, dprouter_core::PolicyConfig::CacheAware(_));
+    if !uses_events && (worker.events().is_some() || worker.kv_events_replay.is_some()) {
+        return Err(invalid(&format!(
+            "KV events are followed under cache_aware only, and this gateway routes with {}",
+            state.config.routing.name()
+        )));
     }
     let key = worker_url_key(&worker.url);
     if state.pending_workers().iter().any(|url| worker_url_key(url) == key) {
