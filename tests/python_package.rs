@@ -119,14 +119,15 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_vllm_the_plugin_keeps_four_conversations_on_their_ranks() {
     let _one = ONE_AT_A_TIME.lock().await;
-    let Some(p) = tokio::task::spawn_blocking(package).await.unwrap() else { return };
+    let Some(p) = tokio::task::spawn_blocking(package).await.unwrap() else {
+        return;
+    };
     let site = p.site.to_str().unwrap().to_string();
-    let engine = tokio::task::spawn_blocking(move || {
-        VllmEngine::start(&[("PYTHONPATH", &site), ("DPROUTER_POLICY", POLICY)])
-    })
-    .await
-    .unwrap()
-    .unwrap();
+    let engine =
+        tokio::task::spawn_blocking(move || VllmEngine::start(&[("PYTHONPATH", &site), ("DPROUTER_POLICY", POLICY)]))
+            .await
+            .unwrap()
+            .unwrap();
     let seen = converse_paced(&engine.url, 4, 4, agent_pause).await;
     let report = format!("{seen:#?}");
     let later: Vec<_> = seen.iter().flat_map(|turns| &turns[1..]).collect();
