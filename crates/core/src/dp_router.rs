@@ -260,25 +260,10 @@ impl DpRouter {
         let candidates = crate::policy::Candidates::accepting(&self.snap, &accept);
         // A named rank is only checked: the policy's `pinned` would record it.
         let pick = match req.rank_override {
-            Some(rank) => self.override_pick(rank)?,
+            Some(rank) => crate::policy::override_pick(&self.snap, rank)?,
             None => crate::policy::decide(&*self.policy, &candidates, &req, &self.policy.prepare(&req))?,
         };
         Ok(Decision::of(&pick, req.input_tokens))
-    }
-
-    fn override_pick(&self, rank: i64) -> Result<Pick, RouteError> {
-        let index =
-            usize::try_from(rank)
-                .ok()
-                .filter(|&r| r < self.snap.len())
-                .ok_or(RouteError::OverrideOutOfRange {
-                    rank,
-                    size: self.snap.len(),
-                })?;
-        if !self.snap.is_healthy(index) {
-            return Err(RouteError::OverrideDown { rank: index });
-        }
-        Ok(Pick::new(index, Branch::Override))
     }
 
     fn hold(&mut self, id: &str, ticket: Ticket<Arc<dyn Policy>>, now_us: u64) {

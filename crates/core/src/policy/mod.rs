@@ -288,7 +288,8 @@ pub fn route(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result
     decide(policy, &Candidates::all(snap), req, &policy.prepare(req))
 }
 
-fn override_pick(snap: &Snapshot, rank: i64) -> Result<Pick, RouteError> {
+/// A client's rank override checked against `snap`: in range and healthy.
+pub(crate) fn override_pick(snap: &Snapshot, rank: i64) -> Result<Pick, RouteError> {
     let index = usize::try_from(rank)
         .ok()
         .filter(|&r| r < snap.len())
