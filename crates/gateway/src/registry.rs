@@ -36,6 +36,11 @@ use crate::config::{Backend, HealthConfig, RankField, WorkerConfig, WorkerEvents
 use crate::upstream::WorkerInfo;
 
 /// Where and how to send a request for one endpoint.
+/// How long after its last answer a worker with requests in flight counts as serving when its `/health` is slow
+/// ([`Registry::record_slow_probe`]): a hung engine with requests in flight is marked down this long (plus the
+/// failed probes) after it stopped answering, instead of after its requests' first-byte timeouts.
+pub const BUSY_GRACE: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Clone)]
 pub struct Target {
     pub id: EndpointId,
@@ -379,12 +384,16 @@ impl Registry {
     }
 
     /// A health probe of `worker` that got no answer within its timeout, at `now_us` ([`crate::clock::now_us`]):
-    /// when one of the worker's endpoints answered a request within the last probe interval, the worker is serving
-    /// and its `/health` merely slow (a burst keeps it busy), so the probe counts neither way and `true` is
-    /// returned; otherwise it is a failed probe.
+    /// when the worker is serving, its `/health` is merely slow (a burst keeps it busy, or its API server is
+    /// starved of CPU), so the probe counts neither way and `true` is returned; otherwise it is a failed probe.
+    /// Serving means one of its endpoints answered a request within the last probe interval, or, while it has
+    /// requests in flight (answers to a burst of long prompts can be seconds apart), within [`BUSY_GRACE`].
     pub fn record_slow_probe(&self, worker: WorkerId, now_us: u64) -> bool {
-        let window_us = self.health.interval_ms.saturating_mul(1000);
+        let idle_window_us = self.health.interval_ms.saturating_mul(1000);
+        let busy_window_us = (BUSY_GRACE.as_micros() as u64).max(idle_window_us);
         let serving = self.lock().iter().find(|w| w.id == worker).is_some_and(|w| {
+            let busy = w.endpoints.iter().any(|e| e.load.in_flight_requests() > 0);
+            let window_us = if busy { busy_window_us } else { idle_window_us };
             w.endpoints.iter().any(|e| {
                 let at = e.last_answer_us.load(Relaxed);
                 at > 0 && now_us.saturating_sub(at) <= window_us

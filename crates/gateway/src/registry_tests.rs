@@ -92,6 +92,35 @@ fn a_slow_probe_of_a_serving_worker_counts_neither_way() {
 }
 
 #[test]
+fn a_slow_probe_of_a_worker_with_requests_in_flight_counts_neither_way_for_a_grace() {
+    let r = Registry::new(HealthConfig {
+        interval_ms: 1000,
+        ..HealthConfig::default()
+    });
+    let w = r.add_worker(&worker("http://a:1"), info(2));
+    r.record_success(ep(w, 1));
+    let answered = r.workers()[0].endpoints[1].last_answer_us.load(Relaxed);
+    let grace = BUSY_GRACE.as_micros() as u64;
+    // A request in flight on rank 0 (a burst of long prompts: the next answer is seconds away).
+    let guard = dprouter_core::LoadGuard::acquire(Arc::clone(&r.workers()[0].endpoints[0].load), 500, false);
+    for _ in 0..5 {
+        assert!(r.record_slow_probe(w, answered + 5_000_000));
+        assert!(r.record_slow_probe(w, answered + grace));
+    }
+    assert!(r.workers()[0].active_healthy());
+    // No answer for longer than the grace: it is hung, requests in flight or not.
+    for _ in 0..HealthConfig::default().failure_threshold {
+        assert!(!r.record_slow_probe(w, answered + grace + 1));
+    }
+    assert!(!r.workers()[0].active_healthy());
+    // Without requests in flight, only the probe interval counts.
+    drop(guard);
+    r.record_probe(w, true);
+    r.record_probe(w, true);
+    assert!(!r.record_slow_probe(w, answered + 5_000_000));
+}
+
+#[test]
 fn probes_change_worker_health() {
     let r = Registry::new(config(2));
     let w = r.add_worker(&worker("http://a:1"), info(2));
