@@ -12,6 +12,8 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
 mod cost_args;
+#[cfg(feature = "epp")]
+mod epp;
 mod mock_engine;
 mod overhead;
 mod route;
@@ -30,6 +32,9 @@ struct Cli {
 enum Command {
     /// Run the gateway (fronting an embedded mock engine when no worker is given).
     Serve(serve::ServeArgs),
+    /// Pick endpoints for Envoy or a Gateway API implementation: an Endpoint Picker over ext_proc gRPC.
+    #[cfg(feature = "epp")]
+    Epp(Box<epp::EppArgs>),
     /// Route JSON Lines requests offline and print one decision per line.
     Route(Box<route::RouteArgs>),
     /// Compare policies on a workload over simulated DP ranks, in virtual time.
@@ -54,6 +59,8 @@ fn main() -> ExitCode {
         .init();
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
+        #[cfg(feature = "epp")]
+        Command::Epp(args) => epp::run(*args),
         Command::Route(args) => route::run(*args),
         Command::Simulate(args) => simulate::run(*args),
         Command::MockEngine(args) => mock_engine::run(args),

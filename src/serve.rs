@@ -25,12 +25,19 @@ enum BackendArg {
 
 #[derive(Debug, Args)]
 pub struct ServeArgs {
-    /// TOML config file (every field is in docs/gateway.md); flags override it.
-    #[arg(long)]
-    config: Option<PathBuf>,
     /// Address to listen on (default 127.0.0.1:8000; port 0 picks a free port).
     #[arg(long)]
     listen: Option<SocketAddr>,
+    #[command(flatten)]
+    pub fleet: FleetArgs,
+}
+
+/// The config file and the flags that override it, shared by `serve` and `epp`.
+#[derive(Debug, Args)]
+pub struct FleetArgs {
+    /// TOML config file (every field is in docs/gateway.md); flags override it.
+    #[arg(long)]
+    config: Option<PathBuf>,
     /// Upstream worker base URL (repeatable). Replaces the config file's workers.
     #[arg(long = "worker")]
     workers: Vec<String>,
@@ -54,15 +61,13 @@ pub struct ServeArgs {
     poll_load_ms: Option<u64>,
 }
 
-impl ServeArgs {
-    fn gateway_config(&self) -> anyhow::Result<GatewayConfig> {
+impl FleetArgs {
+    /// The config file's settings with the flags applied (not validated).
+    pub fn gateway_config(&self) -> anyhow::Result<GatewayConfig> {
         let mut config = match &self.config {
             Some(path) => GatewayConfig::from_file(path)?,
             None => GatewayConfig::default(),
         };
-        if let Some(listen) = self.listen {
-            config.listen = listen;
-        }
         if !self.workers.is_empty() {
             let backend = match self.backend {
                 BackendArg::Sglang => Backend::Sglang,
@@ -92,6 +97,16 @@ impl ServeArgs {
         if let Some(ms) = self.poll_load_ms {
             config.load.poll_interval_ms = ms;
         }
+        Ok(config)
+    }
+}
+
+impl ServeArgs {
+    fn gateway_config(&self) -> anyhow::Result<GatewayConfig> {
+        let mut config = self.fleet.gateway_config()?;
+        if let Some(listen) = self.listen {
+            config.listen = listen;
+        }
         config.validate()?;
         Ok(config)
     }
@@ -105,14 +120,12 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.gateway_config()?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
-        if config.workers.is_empty() {
-            let url = start_embedded_engine().await?;
-            tracing::info!(%url, dp_size = EMBEDDED_DP, preset = EMBEDDED_PRESET, "no worker given: fronting an embedded mock engine");
-            config.workers.push(WorkerConfig { url, backend: Backend::Sglang, dp_size: Some(EMBEDDED_DP), ..WorkerConfig::default() });
-        }
+        embed_an_engine_if_no_worker(&mut config).await?;
         let listen = config.listen;
         let state = AppState::new(config).await?;
-        let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding {listen}"))?;
         let addr = listener.local_addr()?;
         let scheme = if state.tls_acceptor.is_some() { "https" } else { "http" };
         let mut out = std::io::stdout().lock();
@@ -124,6 +137,21 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         serve(listener, state, shutdown_signal()).await.context("serving")?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// Without workers, fronts a mock engine started in this process.
+pub async fn embed_an_engine_if_no_worker(config: &mut GatewayConfig) -> anyhow::Result<()> {
+    if config.workers.is_empty() {
+        let url = start_embedded_engine().await?;
+        tracing::info!(%url, dp_size = EMBEDDED_DP, preset = EMBEDDED_PRESET, "no worker given: fronting an embedded mock engine");
+        config.workers.push(WorkerConfig {
+            url,
+            backend: Backend::Sglang,
+            dp_size: Some(EMBEDDED_DP),
+            ..WorkerConfig::default()
+        });
+    }
+    Ok(())
 }
 
 /// Starts a mock engine (4 ranks, h100-8b) on a free loopback port inside this process.

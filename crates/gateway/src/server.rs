@@ -35,13 +35,7 @@ fn is_admin_path(path: &str) -> bool {
 
 /// Every route of the gateway.
 pub fn router(state: Arc<AppState>) -> Router {
-    let admin = Router::new()
-        .route("/workers", get(list_workers).post(add_worker))
-        .route("/workers/{id}", delete(remove_worker))
-        .route("/flush_cache", post(flush_cache))
-        .route("/kv_events", get(kv_events))
-        .route_layer(middleware::from_fn_with_state(Arc::clone(&state), require_admin_key));
-    let router = Router::new()
+    let data = Router::new()
         .route("/v1/chat/completions", post(proxy::generate))
         .route("/v1/completions", post(proxy::generate))
         .route("/v1/responses", post(proxy::generate))
@@ -59,11 +53,33 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses/{id}/cancel", post(responses::stored))
         .route("/v1/responses/{id}/input_items", get(responses::stored))
         .route("/v1/models", get(models))
-        .route("/models", get(models))
+        .route("/models", get(models));
+    finish(data.merge(control_routes(&state)), state)
+}
+
+/// The routes of a process that routes without proxying (the Endpoint Picker's HTTP side): health, readiness,
+/// metrics and the admin API, under the same rules as the gateway's.
+pub fn control_router(state: Arc<AppState>) -> Router {
+    finish(control_routes(&state), state)
+}
+
+fn control_routes(state: &Arc<AppState>) -> Router<Arc<AppState>> {
+    let admin = Router::new()
+        .route("/workers", get(list_workers).post(add_worker))
+        .route("/workers/{id}", delete(remove_worker))
+        .route("/flush_cache", post(flush_cache))
+        .route("/kv_events", get(kv_events))
+        .route_layer(middleware::from_fn_with_state(Arc::clone(state), require_admin_key));
+    Router::new()
         .route("/health", get(|| async { "ok\n" }))
         .route("/readiness", get(readiness))
         .route("/metrics", get(render_metrics))
         .merge(admin)
+}
+
+/// The fallbacks and the layers every route gets.
+fn finish(routes: Router<Arc<AppState>>, state: Arc<AppState>) -> Router {
+    let router = routes
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .method_not_allowed_fallback(|request: Request| async move {
             ApiError::MethodNotAllowed(request.method().to_string())
@@ -161,33 +177,52 @@ pub async fn serve(
     state: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    telemetry::handle();
-    if !state.tokenizers.is_empty() {
-        // Defined from the start on a gateway that tokenizes, so its rate is.
-        metrics::counter!(telemetry::TOKENIZE_CUT).increment(0);
-    }
-    let (stop, stopped) = watch::channel(false);
-    let mut tasks = health::spawn(Arc::clone(&state), stopped.clone());
-    if !matches!(state.config.routing, dprouter_core::PolicyConfig::CacheAware(_))
-        && state.config.workers.iter().any(|w| w.events().is_some())
-    {
-        tracing::warn!("kv_events are configured, but only cache_aware uses them: not subscribing");
-    }
-    let feeds = crate::kv_events::FeedParts {
-        registry: Arc::clone(&state.registry),
-        policies: Arc::clone(&state.policies),
-        feeds: state.kv_feeds.clone(),
-    };
-    tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped));
+    let background = Background::start(&state);
     let config = state.config.server.clone();
     let tls = state.tls_acceptor.clone();
     let deadline = state.drain_deadline.clone();
     let served = listener::run(listener, router(state), &config, tls, &deadline, shutdown).await;
-    let _ = stop.send(true);
-    for task in tasks {
-        let _ = task.await;
-    }
+    background.stop().await;
     served
+}
+
+/// The gateway's background work: health probes, ejection sweeps, load polls, KV event feeds.
+pub struct Background {
+    stop: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Background {
+    /// Starts it for `state` (the metrics recorder too).
+    pub fn start(state: &Arc<AppState>) -> Self {
+        telemetry::handle();
+        if !state.tokenizers.is_empty() {
+            // Defined from the start on a gateway that tokenizes, so its rate is.
+            metrics::counter!(telemetry::TOKENIZE_CUT).increment(0);
+        }
+        let (stop, stopped) = watch::channel(false);
+        let mut tasks = health::spawn(Arc::clone(state), stopped.clone());
+        if !matches!(state.config.routing, dprouter_core::PolicyConfig::CacheAware(_))
+            && state.config.workers.iter().any(|w| w.events().is_some())
+        {
+            tracing::warn!("kv_events are configured, but only cache_aware uses them: not subscribing");
+        }
+        let feeds = crate::kv_events::FeedParts {
+            registry: Arc::clone(&state.registry),
+            policies: Arc::clone(&state.policies),
+            feeds: state.kv_feeds.clone(),
+        };
+        tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped));
+        Self { stop, tasks }
+    }
+
+    /// Stops it and waits for its tasks to end.
+    pub async fn stop(self) {
+        let _ = self.stop.send(true);
+        for task in self.tasks {
+            let _ = task.await;
+        }
+    }
 }
 
 /// Refuses request heads over the gateway's limits with a JSON error, before any handler runs. (hyper's own limits

@@ -1,0 +1,95 @@
+//! dprouter as an Endpoint Picker (EPP): the Gateway API Inference Extension's way for a proxy (Envoy, and the
+//! Gateway API implementations built on it) to ask which endpoint of an `InferencePool` serves each request, over
+//! Envoy's `ext_proc` gRPC stream ([`picker`]; the protocol's names and messages in [`protocol`]).
+//!
+//! The picker is the gateway without the proxy: the same `AppState` (workers, health, policies, tokenizers, KV
+//! event feeds), the same routing decision, the same feedback from each response, and the gateway's control routes
+//! (`/health`, `/readiness`, `/metrics`, and the admin API under the same rules) on an HTTP side. gRPC health
+//! answers `liveness` at once; `readiness`, the overall `""`, the ext_proc service's name (what Envoy's health
+//! check asks) and `inference-extension` once the workers are known, and not any more once shutdown begins.
+//!
+//! Start in-process: `let state = AppState::new(config).await?; run(grpc, http, state, options, shutdown).await`.
+
+pub mod picker;
+pub mod protocol;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use dprouter_gateway::server::{control_router, Background};
+use dprouter_gateway::AppState;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessorServer, SERVICE_NAME};
+use tokio::net::TcpListener;
+use tonic_health::ServingStatus;
+
+pub use picker::Picker;
+
+/// The gRPC health service names answered once the picker is ready: the overall status, Kubernetes' readiness,
+/// the ext_proc service (Envoy's health check of the picker's cluster) and the reference chart's name.
+pub const READY_NAMES: [&str; 4] = ["", "readiness", SERVICE_NAME, "inference-extension"];
+
+/// How the picker answers beyond what the gateway's config says.
+#[derive(Debug, Clone, Default)]
+pub struct Options {
+    /// Endpoints listed after the chosen one for the data plane to retry on (only where no rank is injected; 0:
+    /// none, as Envoy's original destination cluster takes one address).
+    pub fallbacks: usize,
+}
+
+/// Serves the picker on `grpc` (ext_proc and gRPC health) and its control routes on `http` until `shutdown`
+/// completes; then reports not ready and drains for at most `server.drain_timeout_ms`.
+pub async fn run(
+    grpc: TcpListener,
+    http: TcpListener,
+    state: Arc<AppState>,
+    options: Options,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let background = Background::start(&state);
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_service_status("liveness", ServingStatus::Serving).await;
+    for name in READY_NAMES {
+        health.set_service_status(name, ServingStatus::Serving).await;
+    }
+    let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let http_side = {
+        let config = state.config.server.clone();
+        let deadline = state.drain_deadline.clone();
+        let router = control_router(Arc::clone(&state));
+        let mut stopped = stopped.clone();
+        tokio::spawn(async move {
+            let stop = async move {
+                let _ = stopped.wait_for(|s| *s).await;
+            };
+            dprouter_gateway::listener::run(http, router, &config, None, &deadline, stop).await
+        })
+    };
+    let drain = Duration::from_millis(state.config.server.drain_timeout_ms);
+    let picker = ExternalProcessorServer::new(Picker::new(Arc::clone(&state), options.fallbacks))
+        .max_decoding_message_size(state.config.max_body_bytes.saturating_add(1 << 20));
+    let mut grpc_stopped = stopped.clone();
+    let server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .add_service(picker)
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), async move {
+            let _ = grpc_stopped.wait_for(|s| *s).await;
+        });
+    let mut server = std::pin::pin!(server);
+    let served = tokio::select! {
+        served = &mut server => served,
+        () = shutdown => {
+            for name in READY_NAMES {
+                health.set_service_status(name, ServingStatus::NotServing).await;
+            }
+            let _ = stopping.send(true);
+            // Streams in flight finish within the drain timeout.
+            tokio::time::timeout(drain, &mut server).await.unwrap_or(Ok(()))
+        }
+    };
+    let _ = stopping.send(true);
+    let http_served = http_side.await.unwrap_or(Ok(()));
+    background.stop().await;
+    served.map_err(std::io::Error::other)?;
+    http_served
+}

@@ -1,0 +1,264 @@
+//! One request's routing decision, shared by the HTTP proxy ([`crate::proxy`]) and the Endpoint Picker
+//! (`dprouter-epp`): read the routing fields of the body and the rank header, check the model, pick with the
+//! model's policy (its ticket holds the request's load and its feedback), and lay out the body the chosen endpoint
+//! gets (the client's rank overrides left out, the rank and a mapped model name put in).
+
+use std::sync::Arc;
+
+use axum::http::{HeaderMap, HeaderName};
+use bytes::Bytes;
+use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
+use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
+
+use crate::body::GatewayTicket;
+use crate::config::Backend;
+use crate::error::ApiError;
+use crate::registry::{Membership, Target};
+use crate::state::AppState;
+use crate::telemetry;
+
+/// The client header that pins a rank (SGLang `/v1/*` since PR #19832), and the one vLLM reads: the same name.
+pub const RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// Bodies larger than this are parsed on the blocking pool, off the async runtime's threads.
+const BLOCKING_PARSE_BYTES: usize = 1 << 20;
+
+/// A routed request: its ticket and what its endpoint is sent.
+pub struct Routed {
+    pub ticket: GatewayTicket,
+    /// The membership the decision was made in (the ticket's rank indexes its targets).
+    pub membership: Arc<Membership>,
+    /// The client's bytes.
+    pub bytes: Bytes,
+    pub layout: Layout,
+    /// The `model` the client named.
+    pub model: Option<String>,
+    /// The model as the workers know it, when it differs from the client's or the fleet serves several.
+    pub served: Option<String>,
+    /// The `model` member the worker gets instead of the client's, when the client used an alias.
+    pub model_member: Option<Bytes>,
+    /// The request continues a stored Responses answer, or is a Responses request (its answer's id is remembered).
+    pub responses_api: bool,
+}
+
+impl Routed {
+    /// The target the ticket names.
+    pub fn target(&self) -> &Target {
+        &self.membership.targets[self.ticket.pick.rank]
+    }
+
+    /// Whether `rank` serves the request's model.
+    pub fn serving(&self, rank: usize) -> bool {
+        self.served
+            .as_deref()
+            .is_none_or(|m| self.membership.targets[rank].serves(m))
+    }
+
+    /// The body `target` gets, as pieces of the client's bytes, and the rank header it needs (vLLM's, or
+    /// SGLang's on a path without a body field), if any.
+    pub fn upstream_body(&self, target: &Target, path: &str) -> (Vec<Bytes>, Option<(HeaderName, u32)>) {
+        let rank = target.id.dp_rank;
+        let (rank_member, rank_header) = match target.backend {
+            Backend::Sglang => match target.rank_field.body_field(path) {
+                Some(field) => (Some(Bytes::from(format!("\"{field}\":{rank}"))), None),
+                None => (None, Some(rank)),
+            },
+            Backend::Vllm => (None, Some(rank)),
+            Backend::Openai => (None, None),
+        };
+        let pieces = self
+            .layout
+            .forwarded(
+                &self.bytes,
+                rank_member.into_iter().chain(self.model_member.clone()),
+                self.model_member.is_some(),
+                |b: &Bytes, range| b.slice(range),
+            )
+            .into_iter()
+            .map(|p| match p {
+                Piece::Text(t) => Bytes::from_static(t.as_bytes()),
+                Piece::Bytes(b) => b,
+            })
+            .collect();
+        (pieces, rank_header.map(|r| (HeaderName::from_static(RANK_HEADER), r)))
+    }
+}
+
+/// A body must be JSON: a request that says it is something else gets a 415.
+pub fn check_content_type(headers: &HeaderMap) -> Result<(), ApiError> {
+    if let Some(ct) = headers.get(axum::http::header::CONTENT_TYPE) {
+        let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
+        let essence = ct.split(';').next().unwrap_or("").trim();
+        if essence != "application/json" {
+            return Err(ApiError::UnsupportedMediaType(ct));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `target`'s requests carry its rank (a body field or a header): such a request must never reach
+/// another endpoint.
+pub fn injects_rank(target: &Target) -> bool {
+    !matches!(target.backend, Backend::Openai)
+}
+
+/// Routes one request for `path` (the path the worker gets) with `headers` and body `bytes` among the healthy
+/// endpoints that `allowed` lets through (every one, for the proxy; the proxy's subset hint, for the Endpoint
+/// Picker). Counts the decision.
+pub async fn route(
+    state: &Arc<AppState>,
+    path: &str,
+    headers: &HeaderMap,
+    bytes: Bytes,
+    allowed: &(dyn Fn(&Target) -> bool + Sync),
+) -> Result<Routed, ApiError> {
+    let (bytes, body) = parse(state, headers, bytes).await?;
+    let RequestBody {
+        mut route,
+        layout,
+        model,
+        previous_response_id,
+    } = body;
+    let responses_api = path.split('?').next() == Some("/v1/responses");
+    let membership = state.registry.membership();
+    let served = served_model(state, &membership, model.as_deref())?;
+    // The model's name as the worker knows it, when the client used an alias.
+    let model_member = match (&served, &model) {
+        (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
+        _ => None,
+    };
+    let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
+    // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
+    if let (Some(model), Some(rank)) = (
+        served.as_deref(),
+        route
+            .rank_override
+            .and_then(|r| usize::try_from(r).ok())
+            .filter(|&r| r < membership.targets.len()),
+    ) {
+        if !serving(rank) {
+            return Err(ApiError::BadRequest(format!(
+                "DP rank {rank} does not serve model `{model}`"
+            )));
+        }
+    }
+    // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
+    // whose models are unknown) shares the default policy rather than growing the table.
+    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
+    let policy = state.policies.for_model(known.or(membership.sole_model()));
+    if let Some(tokenizer) = state
+        .tokenizers
+        .for_model(served.as_deref().or(membership.sole_model()))
+    {
+        crate::tokens::exact_prompt(&state.tokenizers, tokenizer, &bytes, &mut route).await;
+    }
+    route.now_us = crate::clock::now_us();
+    let home = previous_response_id
+        .filter(|_| responses_api)
+        .and_then(|id| state.responses.home(&id));
+    let scope = Scope::of(home, &membership, &|rank| {
+        serving(rank) && allowed(&membership.targets[rank])
+    });
+    let accept = |rank: usize| {
+        serving(rank) && allowed(&membership.targets[rank]) && scope.contains(membership.targets[rank].id)
+    };
+    let ticket = dispatch_among(policy, &membership.snapshot, &accept, route)?;
+    count_decision(state, ticket.pick.branch);
+    Ok(Routed {
+        ticket,
+        membership,
+        bytes,
+        layout,
+        model,
+        served,
+        model_member,
+        responses_api,
+    })
+}
+
+/// Reads the routing fields of `bytes` (on the blocking pool when the body is large) and the rank header.
+async fn parse(state: &AppState, headers: &HeaderMap, bytes: Bytes) -> Result<(Bytes, RequestBody), ApiError> {
+    let allow_overrides = state.config.allow_client_overrides;
+    let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
+        tokio::task::spawn_blocking(move || parse_body(&bytes, allow_overrides).map(|b| (bytes, b)))
+            .await
+            .map_err(|e| ApiError::Unavailable(format!("the request could not be parsed: {e}")))??
+    } else {
+        let body = parse_body(&bytes, allow_overrides)?;
+        (bytes, body)
+    };
+    if body.route.session.is_none() {
+        let named = state
+            .config
+            .session_header
+            .as_deref()
+            .and_then(|name| headers.get(name));
+        body.route.session = named
+            .and_then(|v| v.to_str().ok())
+            .map(dprouter_core::request::session_hash);
+    }
+    if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
+        let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());
+        body.route.rank_override =
+            Some(rank.ok_or_else(|| ApiError::BadRequest("X-Data-Parallel-Rank must be an integer".into()))?);
+    }
+    Ok((bytes, body))
+}
+
+/// The model a request is for, as the workers know it (after the config's aliases); `None` for a request that
+/// names none, or when the fleet serves one model or unknown ones (any name goes then, as SGLang and llama.cpp
+/// take any). In a fleet of several known models, a 404 for a model no worker serves (workers whose models are
+/// unknown take any).
+fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) -> Result<Option<String>, ApiError> {
+    let Some(asked) = asked else { return Ok(None) };
+    let served = state.config.model_aliases.get(asked).map_or(asked, String::as_str);
+    if membership.models().len() < 2 {
+        // One model (or none known): every worker serves the request whatever it names, with the alias mapped.
+        return Ok((served != asked).then(|| served.to_string()));
+    }
+    if membership.targets.iter().any(|t| t.serves(served)) {
+        return Ok(Some(served.to_string()));
+    }
+    Err(ApiError::ModelNotFound(asked.to_string()))
+}
+
+/// Counts a routing decision (metrics and `GET /workers`).
+pub fn count_decision(state: &AppState, branch: Branch) {
+    metrics::counter!(telemetry::DECISIONS, "policy" => state.policies.default_policy().name(), "branch" => branch.as_str()).increment(1);
+    state.count_decision(branch);
+}
+
+/// Where a request may go besides its model's workers: anywhere, or, for the continuation of a stored Responses
+/// answer, the endpoint that made it, else another routable rank of its worker, else anywhere (the engine's 404
+/// then says the response is gone; [`crate::responses`]).
+#[derive(Debug, Clone, Copy)]
+enum Scope {
+    Any,
+    Worker(WorkerId),
+    Endpoint(EndpointId),
+}
+
+impl Scope {
+    fn of(home: Option<EndpointId>, membership: &Membership, routable_rank: &dyn Fn(usize) -> bool) -> Self {
+        let Some(home) = home else { return Scope::Any };
+        let routable = |scope: Scope| {
+            membership
+                .snapshot
+                .healthy()
+                .iter()
+                .any(|&rank| routable_rank(rank) && scope.contains(membership.targets[rank].id))
+        };
+        [Scope::Endpoint(home), Scope::Worker(home.worker)]
+            .into_iter()
+            .find(|&scope| routable(scope))
+            .unwrap_or(Scope::Any)
+    }
+
+    fn contains(self, id: EndpointId) -> bool {
+        match self {
+            Scope::Any => true,
+            Scope::Worker(worker) => id.worker == worker,
+            Scope::Endpoint(endpoint) => id == endpoint,
+        }
+    }
+}
