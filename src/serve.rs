@@ -9,6 +9,7 @@ use std::sync::Arc;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use dprouter_core::PolicyConfig;
+use dprouter_gateway::discovery_config::{DnsSource, KubernetesSource, WorkerTemplate};
 use dprouter_gateway::{serve, AppState, Backend, GatewayConfig, WorkerConfig};
 use dprouter_mock_engine::{Engine, EngineConfig};
 use dprouter_sim::CostModel;
@@ -41,10 +42,10 @@ pub struct FleetArgs {
     /// Upstream worker base URL (repeatable). Replaces the config file's workers.
     #[arg(long = "worker")]
     workers: Vec<String>,
-    /// Backend of the --worker URLs.
+    /// Backend of the --worker URLs (and of workers --inference-pool or --dns find).
     #[arg(long, value_enum, default_value = "sglang")]
     backend: BackendArg,
-    /// DP ranks behind each --worker (SGLang: discovered from /get_server_info when absent).
+    /// DP ranks behind each --worker (or discovered worker; SGLang: read from /get_server_info when absent).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     dp_size: Option<u32>,
     /// Load-balancing policy (overrides the config's [routing]).
@@ -59,6 +60,20 @@ pub struct FleetArgs {
     /// Poll SGLang /get_load every N milliseconds (0: off).
     #[arg(long)]
     poll_load_ms: Option<u64>,
+    /// Find workers as the Pods of this InferencePool (inference.networking.k8s.io/v1), with the pod's service
+    /// account (its API server, token and namespace); --backend and --dp-size describe them (docs/discovery.md).
+    #[arg(long, value_name = "NAME")]
+    inference_pool: Option<String>,
+    /// Find workers at the addresses of NAME, resolved again every 5 s, at PORT (repeatable); --backend and
+    /// --dp-size describe them.
+    #[arg(long = "dns", value_name = "NAME:PORT", value_parser = parse_dns)]
+    dns: Vec<(String, u16)>,
+}
+
+fn parse_dns(text: &str) -> Result<(String, u16), String> {
+    let (name, port) = text.rsplit_once(':').ok_or("expected NAME:PORT")?;
+    let port = port.parse().map_err(|_| format!("{port:?} is not a port"))?;
+    Ok((name.to_string(), port))
 }
 
 impl FleetArgs {
@@ -68,12 +83,32 @@ impl FleetArgs {
             Some(path) => GatewayConfig::from_file(path)?,
             None => GatewayConfig::default(),
         };
+        let backend = match self.backend {
+            BackendArg::Sglang => Backend::Sglang,
+            BackendArg::Vllm => Backend::Vllm,
+            BackendArg::Openai => Backend::Openai,
+        };
+        let template = WorkerTemplate {
+            backend,
+            dp_size: self.dp_size,
+            ..WorkerTemplate::default()
+        };
+        if let Some(pool) = &self.inference_pool {
+            config.discovery.kubernetes.push(KubernetesSource {
+                inference_pool: Some(pool.clone()),
+                worker: template.clone(),
+                ..KubernetesSource::default()
+            });
+        }
+        for (name, port) in &self.dns {
+            config.discovery.dns.push(DnsSource {
+                name: name.clone(),
+                port: *port,
+                interval_ms: 5000,
+                worker: template.clone(),
+            });
+        }
         if !self.workers.is_empty() {
-            let backend = match self.backend {
-                BackendArg::Sglang => Backend::Sglang,
-                BackendArg::Vllm => Backend::Vllm,
-                BackendArg::Openai => Backend::Openai,
-            };
             config.workers = self
                 .workers
                 .iter()
@@ -141,7 +176,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
 
 /// Without workers, fronts a mock engine started in this process.
 pub async fn embed_an_engine_if_no_worker(config: &mut GatewayConfig) -> anyhow::Result<()> {
-    if config.workers.is_empty() {
+    if config.workers.is_empty() && config.discovery.sources() == 0 {
         let url = start_embedded_engine().await?;
         tracing::info!(%url, dp_size = EMBEDDED_DP, preset = EMBEDDED_PRESET, "no worker given: fronting an embedded mock engine");
         config.workers.push(WorkerConfig {

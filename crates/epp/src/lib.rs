@@ -50,8 +50,20 @@ pub async fn run(
     let (health, health_service) = tonic_health::server::health_reporter();
     health.set_service_status("liveness", ServingStatus::Serving).await;
     for name in READY_NAMES {
-        health.set_service_status(name, ServingStatus::Serving).await;
+        health.set_service_status(name, ServingStatus::NotServing).await;
     }
+    // Ready once discovery has synced (at once without discovery), as the reference EPP once its pool has.
+    let mut ready = {
+        let health = health.clone();
+        let mut unsynced = state.discovery_unsynced.subscribe();
+        tokio::spawn(async move {
+            if unsynced.wait_for(|n| *n == 0).await.is_ok() {
+                for name in READY_NAMES {
+                    health.set_service_status(name, ServingStatus::Serving).await;
+                }
+            }
+        })
+    };
     let (stopping, stopped) = tokio::sync::watch::channel(false);
     let http_side = {
         let config = state.config.server.clone();
@@ -79,6 +91,8 @@ pub async fn run(
     let served = tokio::select! {
         served = &mut server => served,
         () = shutdown => {
+            ready.abort();
+            let _ = (&mut ready).await;
             for name in READY_NAMES {
                 health.set_service_status(name, ServingStatus::NotServing).await;
             }

@@ -7,17 +7,19 @@
 //! The gateway's modules in layers, each importing only from the layers below it (no module imports one that
 //! imports it back, directly or through others), so the crate reads bottom-up:
 //!
-//! 1. Shared names and plain values, importing nothing of the crate: [`crate::names`] (the request-id header, the
-//!    limits of a request head), [`crate::config`], [`crate::error`], [`crate::clock`], [`crate::tls`],
-//!    [`crate::response_homes`], [`crate::drain_deadline`].
+//! 1. Shared names and plain values, importing nothing of the crate but each other: [`crate::names`] (the
+//!    request-id header, the limits of a request head), [`crate::worker_config`] (one worker's),
+//!    [`crate::discovery_config`], [`crate::config`] (the whole), [`crate::error`], [`crate::clock`],
+//!    [`crate::tls`], [`crate::response_homes`], [`crate::drain_deadline`].
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
 //!    hyper writes itself).
 //! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
-//!    their own status map), [`crate::access`] (what each answer was).
+//!    their own status map), [`crate::access`] (what each answer was), the discovery sources
+//!    [`crate::kubernetes`] and [`crate::dns`] (what they find, on a channel).
 //! 4. [`crate::state`]: the parts together, for the handlers.
-//! 5. What serves requests over the state: [`crate::health`], [`crate::body`], [`crate::responses`],
+//! 5. What serves requests over the state: [`crate::discovery`] (found workers into the registry), [`crate::health`], [`crate::body`], [`crate::responses`],
 //!    [`crate::routing`] (one request's decision, for the proxy and the Endpoint Picker), [`crate::proxy`], [`crate::listener`].
 //! 6. [`crate::server`]: the routes, the admin API and `serve`.
 //!
@@ -27,9 +29,13 @@ pub mod access;
 pub mod body;
 pub mod clock;
 pub mod config;
+pub mod discovery;
+pub mod discovery_config;
+pub mod dns;
 pub mod drain_deadline;
 pub mod error;
 pub mod health;
+pub mod kubernetes;
 pub mod kv_events;
 #[cfg(test)]
 mod layers;
@@ -48,6 +54,7 @@ pub mod telemetry;
 pub mod tls;
 pub mod tokens;
 pub mod upstream;
+pub mod worker_config;
 
 pub use config::{Backend, GatewayConfig, RankField, WorkerConfig};
 pub use error::ApiError;

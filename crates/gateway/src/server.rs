@@ -212,7 +212,8 @@ impl Background {
             policies: Arc::clone(&state.policies),
             feeds: state.kv_feeds.clone(),
         };
-        tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped));
+        tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped.clone()));
+        tasks.extend(crate::discovery::spawn(state, stopped));
         Self { stop, tasks }
     }
 
@@ -386,14 +387,16 @@ fn keys_match(expected: &str, given: &str) -> bool {
 
 async fn readiness(State(state): State<Arc<AppState>>) -> Response {
     let healthy = state.registry.membership().snapshot.healthy().len();
-    let status = if healthy > 0 {
+    let synced = state.discovery_synced();
+    let ready = healthy > 0 && synced;
+    let status = if ready {
         StatusCode::OK
     } else {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (
         status,
-        Json(json!({"ready": healthy > 0, "healthy_endpoints": healthy})),
+        Json(json!({"ready": ready, "healthy_endpoints": healthy, "discovery_synced": synced})),
     )
         .into_response()
 }

@@ -28,6 +28,9 @@ pub struct AppState {
     pub responses: Arc<crate::response_homes::ResponseHomes>,
     /// Fired when the shutdown's drain deadline passes: streams still open end with an error event.
     pub drain_deadline: crate::drain_deadline::DrainDeadline,
+    /// Discovery sources that have not delivered and applied their first list yet: the gateway is ready at 0
+    /// ([`crate::discovery`]).
+    pub discovery_unsynced: tokio::sync::watch::Sender<usize>,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
@@ -54,13 +57,18 @@ impl AppState {
     /// Validates the config and adds every worker (discovering SGLang's `dp_size` when not given).
     pub async fn new(config: GatewayConfig) -> Result<Arc<Self>, StartError> {
         config.validate()?;
+        for source in &config.discovery.kubernetes {
+            crate::kubernetes::Api::new(source)
+                .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?;
+        }
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
             policies: Arc::new(Policies::new(&config.routing)),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
-                crate::tls::client_config(config.upstream_ca_file.as_deref()).map_err(StartError::Tls)?,
+                crate::tls::client_config(config.upstream_ca_file.as_deref(), "upstream_ca_file")
+                    .map_err(StartError::Tls)?,
             ),
             tls_acceptor: match (&config.server.tls_cert_file, &config.server.tls_key_file) {
                 (Some(cert), Some(key)) => Some(tokio_rustls::TlsAcceptor::from(
@@ -75,6 +83,7 @@ impl AppState {
                 crate::response_homes::REMEMBERED,
             )),
             drain_deadline: Default::default(),
+            discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
             adding: Mutex::new(()),
@@ -149,6 +158,11 @@ impl AppState {
             }),
             None => Ok(()),
         }
+    }
+
+    /// Whether every discovery source has delivered and applied its first list.
+    pub fn discovery_synced(&self) -> bool {
+        *self.discovery_unsynced.borrow() == 0
     }
 
     pub fn count_decision(&self, branch: Branch) {

@@ -29,18 +29,17 @@ fn certificates(path: &Path, what: &str) -> Result<Vec<CertificateDer<'static>>,
     Ok(certs)
 }
 
-/// The client side, for `https://` workers: the system's roots, or only those of `ca_file`.
-pub fn client_config(ca_file: Option<&Path>) -> Result<ClientConfig, String> {
+/// The client side, for `https://` workers (or the Kubernetes API server): the system's roots, or only those of
+/// `ca_file`, which is the config field `what` in messages.
+pub fn client_config(ca_file: Option<&Path>, what: &str) -> Result<ClientConfig, String> {
     let builder = ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(|e| e.to_string())?;
     let config = match ca_file {
         Some(path) => {
             let mut roots = RootCertStore::empty();
-            for cert in certificates(path, "upstream_ca_file")? {
-                roots
-                    .add(cert)
-                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
+            for cert in certificates(path, what)? {
+                roots.add(cert).map_err(|e| format!("{what} {}: {e}", path.display()))?;
             }
             builder.with_root_certificates(roots).with_no_client_auth()
         }
