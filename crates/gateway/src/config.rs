@@ -397,6 +397,20 @@ mod tests {
     }
 
     #[test]
+    fn the_discovery_docs_example_parses() {
+        let doc = include_str!("../../../docs/discovery.md");
+        let text = doc.split("```toml").nth(1).unwrap().split("```").next().unwrap();
+        let config: GatewayConfig = toml::from_str(text).unwrap();
+        config.validate().unwrap();
+        assert_eq!(
+            config.discovery.kubernetes[0].watched(),
+            crate::discovery_config::Watched::InferencePool("vllm-llama")
+        );
+        assert_eq!(config.discovery.kubernetes[0].worker.kv_events_port, Some(5557));
+        assert_eq!(config.discovery.dns[0].port, 8000);
+    }
+
+    #[test]
     fn the_readme_example_parses() {
         let readme = include_str!("../../../README.md");
         let toml_text = readme.split("```toml").nth(1).unwrap().split("```").next().unwrap();

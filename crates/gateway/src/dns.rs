@@ -119,7 +119,7 @@ mod tests {
             port: 8000,
             interval_ms: 1000,
             worker: crate::discovery_config::WorkerTemplate {
-                backend: crate::config::Backend::Vllm,
+                backend: crate::worker_config::Backend::Vllm,
                 dp_size: Some(2),
                 ..Default::default()
             },
