@@ -229,3 +229,22 @@ async fn killing_one_of_two_pickers_costs_at_most_its_requests_in_flight() {
     }
     assert!(failed <= 1, "{failed} requests failed after one replica stopped");
 }
+
+/// Envoy's own validation of the plain config the deploy folder ships (every field known to Envoy 1.40, the
+/// clusters and filters constructible), as it is, ports included.
+#[test]
+fn envoy_validates_the_deploy_folders_config() {
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/envoy.yaml");
+    let out = Command::new(common::envoy::binary())
+        .args(["--mode", "validate", "--log-level", "warn", "-c"])
+        .arg(&config)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "Envoy refuses deploy/envoy.yaml: {text}");
+    assert!(text.contains("configuration") && text.contains("OK"), "{text}");
+}
