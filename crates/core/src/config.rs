@@ -226,6 +226,7 @@ impl PolicyConfig {
                     ("congestion_weight", c.congestion_weight),
                     ("eviction_weight", c.eviction_weight),
                     ("recent_epsilon", c.recent_epsilon),
+                    ("cold_tolerance_ms", c.cold_tolerance_ms),
                 ] {
                     if !(value.is_finite() && value >= 0.0) {
                         return fail(field, format!("must be a finite number at least 0, got {value}"));

@@ -126,6 +126,11 @@ pub struct CacheAwareConfig {
     /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
     /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
     pub event_grace_ms: u64,
+    /// A prompt no endpoint holds goes to its rendezvous choice among the endpoints predicted within this many
+    /// milliseconds of the lowest time to first token, rather than to the lowest: replicas that each see only
+    /// their own requests in flight then agree on where a new prefix goes while their views of the queues differ
+    /// by less than this. 0 (the default): the lowest.
+    pub cold_tolerance_ms: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -145,6 +150,7 @@ impl Default for CacheAwareConfig {
             recent_epsilon: 0.05,
             session_turns: 0,
             event_grace_ms: 10_000,
+            cold_tolerance_ms: 0.0,
         }
     }
 }
@@ -439,7 +445,7 @@ impl Policy for CacheAware {
             let total: f64 = loads.iter().sum();
             loads.iter_mut().for_each(|l| *l += contention * (total - *l));
         }
-        let (rank, blocks, uncached) = c
+        let scored = c
             .iter()
             .enumerate()
             .map(|(i, r)| {
@@ -481,9 +487,19 @@ impl Policy for CacheAware {
                 );
                 (order, (r, blocks, uncached))
             })
-            .min_by_key(|(order, _)| *order)
-            .map(|(_, chosen)| chosen)
-            .ok_or(RouteError::NoHealthyEndpoint)?;
+            .collect::<Vec<_>>();
+        let tolerance_us = (self.config.cold_tolerance_ms.max(0.0) * 1000.0) as u64;
+        let lowest = scored.iter().map(|(order, _)| order.0).min().unwrap_or(0);
+        let (rank, blocks, uncached) = match best_match == 0 && tolerance_us > 0 {
+            // A prompt nobody holds: the rendezvous choice among the endpoints predicted within the tolerance.
+            true => scored
+                .iter()
+                .filter(|(order, _)| order.0 <= lowest.saturating_add(tolerance_us))
+                .min_by_key(|(order, _)| order.5)
+                .map(|(_, chosen)| *chosen),
+            false => scored.iter().min_by_key(|(order, _)| *order).map(|(_, chosen)| *chosen),
+        }
+        .ok_or(RouteError::NoHealthyEndpoint)?;
         let slot = state.slot_of_rank[rank];
         let branch = match (best_match, blocks) {
             (0, _) => Branch::Cold,

@@ -290,3 +290,51 @@ fn down_endpoints_are_never_chosen_even_holding_the_prefix() {
     assert_ne!(pick.rank, home);
     assert_eq!(pick.branch, Branch::Cold);
 }
+
+#[test]
+fn cold_tolerance_places_a_new_prefix_by_rendezvous_whatever_the_replicas_own_queues() {
+    // Two replicas: one has sent a prompt to the cold rendezvous choice of another prefix, the other has not.
+    // By the lowest prediction they place a second new prefix differently when its rendezvous choice is the
+    // endpoint the first replica loaded; within the tolerance they agree on the rendezvous choice.
+    let snap_a = Snapshot::single_worker(4);
+    let snap_b = Snapshot::single_worker(4);
+    let config = |tolerance| CacheAwareConfig {
+        cold_tolerance_ms: tolerance,
+        ..slow_engine()
+    };
+    let new = prompt(7, 2000);
+    let home = route(
+        &CacheAware::new(config(0.0)),
+        &snap_b,
+        &RouteRequest::tokens(new.clone()),
+    )
+    .unwrap()
+    .rank;
+    // A prompt of another prefix that replica A sends to `home` (its rendezvous choice, found by trying seeds).
+    let other = (100..)
+        .map(|seed| prompt(seed, 2000))
+        .find(|p| {
+            route(&CacheAware::new(config(0.0)), &snap_b, &RouteRequest::tokens(p.clone()))
+                .unwrap()
+                .rank
+                == home
+        })
+        .unwrap();
+    for (tolerance, agree) in [(0.0, false), (60_000.0, true)] {
+        let (a, b) = (CacheAware::new(config(tolerance)), CacheAware::new(config(tolerance)));
+        let sent = dispatch(&a, &snap_a, RouteRequest::tokens(other.clone())).unwrap();
+        assert_eq!((sent.pick.rank, sent.pick.branch), (home, Branch::Cold));
+        let on_a = route(&a, &snap_a, &RouteRequest::tokens(new.clone())).unwrap();
+        let on_b = route(&b, &snap_b, &RouteRequest::tokens(new.clone())).unwrap();
+        assert_eq!((on_a.branch, on_b.branch), (Branch::Cold, Branch::Cold));
+        assert_eq!(on_b.rank, home);
+        assert_eq!(
+            on_a.rank == on_b.rank,
+            agree,
+            "tolerance {tolerance}: {} and {}",
+            on_a.rank,
+            on_b.rank
+        );
+        drop(sent);
+    }
+}
