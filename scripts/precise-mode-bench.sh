@@ -7,14 +7,16 @@
 # error of cached tokens (what cache_aware predicted an endpoint held, minus what the engine reported), from their
 # metrics. With BREAKDOWN=1 the gateways also log each request (`[server] access_log`) and each run adds a line that
 # splits that error per request: predictions within a block of the report, the rest of requests that arrived
-# within 0.1 s of the first (the opening burst), and the rest over and under the report. Uses `dprouter` from PATH; everything started here is
-# stopped on exit.
+# within 0.1 s of the first (the opening burst), and the rest over and under the report. With FRONT=epp the
+# replicas are `dprouter epp` pickers behind one Envoy (deploy/envoy.yaml; $ENVOY, default `envoy` from PATH), which
+# shares the requests among them. Uses `dprouter` from PATH; everything started here is stopped on exit.
 set -euo pipefail
 preset=${PRESET:-h100-8b}
 capacity=${KV_CAPACITY:-16000}
 time_scale=${TIME_SCALE:-0.25}
 workload=${WORKLOAD:-agent:agents=32,turns=8,prefixes=8,prefix_len=4000}
 replica_counts=${REPLICAS:-1 2}
+modes=${MODES:-approximate precise}
 here=$(dirname "$0")
 source "$here/lib.sh"
 
@@ -23,7 +25,7 @@ json() { python3 -c "import json,sys; v = json.load(sys.stdin); print($1)"; }
 header=1
 if [ "${BREAKDOWN:-0}" = 1 ]; then export START_LOG=dprouter::access=info; fi
 for replicas in $replica_counts; do
-  for mode in approximate precise; do
+  for mode in $modes; do
     start mock-engine --listen 127.0.0.1:0 --dp-size 4 --preset "$preset" --kv-capacity "$capacity" \
       --time-scale "$time_scale" --kv-events tcp://127.0.0.1:0 --kv-events-replay tcp://127.0.0.1:0
     engine=$URL
@@ -43,8 +45,14 @@ for replicas in $replica_counts; do
     } > "$tmp/$mode.toml"
     gateways=()
     logs=()
+    pickers=()
     for _ in $(seq "$replicas"); do
-      start serve --listen 127.0.0.1:0 --config "$tmp/$mode.toml"
+      if [ "${FRONT:-serve}" = epp ]; then
+        start_epp --config "$tmp/$mode.toml"
+        pickers+=("$GRPC")
+      else
+        start serve --listen 127.0.0.1:0 --config "$tmp/$mode.toml"
+      fi
       gateways+=("$URL")
       logs+=("$OUT")
       run_pids+=("$PID")
@@ -56,6 +64,11 @@ for replicas in $replica_counts; do
       fi
     done
     targets=$(IFS=,; echo "${gateways[*]}")
+    if [ "${FRONT:-serve}" = epp ]; then
+      start_envoy "${pickers[@]}"
+      run_pids+=("$PID")
+      targets=$URL
+    fi
     dprouter bench --workload "$workload" --target "$targets" --route server --preset "$preset" \
       --time-scale "$time_scale" --quiet > "$tmp/run.txt"
     if [ "$header" = 1 ]; then sed -n 1,2p "$tmp/run.txt" | sed '2s/$/  pred_err/'; header=0; fi
@@ -64,6 +77,15 @@ for replicas in $replica_counts; do
       /^dprouter_cache_prediction_error_tokens_count/ {count += $NF}
       END {if (count > 0) printf "%.1f", sum / count; else printf "-"}')
     printf '%-22s%s  %8s\n' "$mode x$replicas" "$(sed -n 3p "$tmp/run.txt" | cut -c23-)" "$error"
+    if [ "${DECISIONS:-0}" = 1 ]; then
+      for g in "${gateways[@]}"; do curl -sf "$g/workers"; echo; done | python3 -c '
+import collections, json, sys
+total = collections.Counter()
+for line in sys.stdin:
+    if line.strip():
+        total.update(json.loads(line)["decisions"])
+print("  decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(total.items())))'
+    fi
     if [ "${BREAKDOWN:-0}" = 1 ]; then
       python3 - "${logs[@]}" <<'PY'
 import datetime, re, sys
