@@ -6,7 +6,8 @@
 //! event feeds), the same routing decision, the same feedback from each response, and the gateway's control routes
 //! (`/health`, `/readiness`, `/metrics`, and the admin API under the same rules) on an HTTP side. gRPC health
 //! answers `liveness` at once; `readiness`, the overall `""`, the ext_proc service's name (what Envoy's health
-//! check asks) and `inference-extension` once the workers are known, and not any more once shutdown begins.
+//! check asks) and `inference-extension` once discovery has synced (at once without discovery), and not any more
+//! once shutdown begins.
 //!
 //! Start in-process: `let state = AppState::new(config).await?; run(grpc, http, state, options, shutdown).await`.
 
