@@ -248,3 +248,44 @@ fn envoy_validates_the_deploy_folders_config() {
     assert!(out.status.success(), "Envoy refuses deploy/envoy.yaml: {text}");
     assert!(text.contains("configuration") && text.contains("OK"), "{text}");
 }
+
+/// The proxy's subset hint, as a Gateway API implementation sets it (`envoy.lb.subset_hint`, here from Envoy's
+/// `set_metadata` filter ahead of ext_proc, forwarded by `metadata_options`): every request goes to the allowed
+/// endpoint even under round robin, and a hint that allows none of the picker's endpoints is its JSON 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoys_subset_hint_restricts_the_pickers_choice() {
+    let a = Proc::engine(&[]);
+    let b = Proc::engine(&[]);
+    let engines = [&a, &b];
+    let picker = Picker::start(&engines, &["--policy", "round_robin"]);
+    let with_hint = |allowed: String| {
+        move |config: String| {
+            let filter = format!(
+                "          - name: envoy.filters.http.set_metadata\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n              metadata:\n              - metadata_namespace: envoy.lb.subset_hint\n                value: {{ x-gateway-destination-endpoint-subset: [\"{allowed}\"] }}\n"
+            );
+            let ext_proc = "          - name: envoy.filters.http.ext_proc\n";
+            assert!(config.contains(ext_proc), "deploy/envoy.yaml changed its filters");
+            config.replacen(ext_proc, &format!("{filter}{ext_proc}"), 1)
+        }
+    };
+    let b_address = b.url.trim_start_matches("http://").to_string();
+    let envoy = Envoy::start_edited("subset", &[&picker.grpc], with_hint(b_address.clone())).await;
+    envoy.wait_for_healthy_pickers(1).await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    for n in 0..4 {
+        let reply = post(&c, &url, &[], &chat(n, "You are terse.")).await;
+        check_route(&reply, &engines);
+        assert_eq!(
+            header(&reply, "x-upstream-address"),
+            b_address,
+            "the hint allowed only b"
+        );
+    }
+    drop(envoy);
+    let nowhere = Envoy::start_edited("subset-none", &[&picker.grpc], with_hint("127.0.0.2:1".into())).await;
+    nowhere.wait_for_healthy_pickers(1).await;
+    let refused = post(&c, &format!("{}/v1/chat/completions", nowhere.url), &[], &chat(5, "x")).await;
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text);
+    assert!(refused.json["error"]["message"].is_string(), "{}", refused.text);
+}

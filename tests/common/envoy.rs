@@ -32,6 +32,11 @@ impl Envoy {
     /// Envoy with the picker cluster's endpoints at `pickers` (gRPC addresses, `127.0.0.1:PORT`), `name` naming its
     /// files in the test's temporary folder; returns once `/ready` says LIVE and the listener's port is known.
     pub async fn start(name: &str, pickers: &[&str]) -> Envoy {
+        Self::start_edited(name, pickers, |config| config).await
+    }
+
+    /// As [`Envoy::start`], with the config passed through `edit` before Envoy reads it.
+    pub async fn start_edited(name: &str, pickers: &[&str], edit: impl FnOnce(String) -> String) -> Envoy {
         let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
         let template = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/deploy/envoy.yaml")).unwrap();
         let endpoint =
@@ -54,7 +59,7 @@ impl Envoy {
         let config_path = dir.join(format!("envoy-{name}.yaml"));
         let admin_path = dir.join(format!("envoy-{name}.admin"));
         let log_path = dir.join(format!("envoy-{name}.log"));
-        std::fs::write(&config_path, config).unwrap();
+        std::fs::write(&config_path, edit(config)).unwrap();
         let _ = std::fs::remove_file(&admin_path);
         let child = Command::new(binary())
             .arg("-c")
