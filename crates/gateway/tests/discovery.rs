@@ -286,6 +286,17 @@ async fn worker_urls(client: &Upstream, gateway: &str) -> Vec<String> {
         .collect()
 }
 
+/// A chat completion through `gateway`.
+async fn ask(client: &Upstream, gateway: &str) -> (StatusCode, hyper::HeaderMap, Value) {
+    call(
+        client,
+        Method::POST,
+        &format!("{gateway}/v1/chat/completions"),
+        Some(chat()),
+    )
+    .await
+}
+
 fn chat() -> Value {
     json!({"model": "dprouter/mock", "max_tokens": 4, "messages": [{"role": "user", "content": "Where am I served?"}]})
 }
@@ -351,8 +362,8 @@ async fn a_gateway_serves_the_pools_workers_once_synced_and_drains_the_ones_that
 
     // A request in flight on the worker that goes finishes; new ones go to the one that came.
     let in_flight = {
-        let (client, url) = (client.clone(), format!("{gateway}/v1/chat/completions"));
-        tokio::spawn(async move { call(&client, Method::POST, &url, Some(chat())).await })
+        let (client, gateway) = (client.clone(), gateway.clone());
+        tokio::spawn(async move { ask(&client, &gateway).await })
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
     api.put(POOLS, pool("mock", "mock", fast));
@@ -371,14 +382,7 @@ async fn a_gateway_serves_the_pools_workers_once_synced_and_drains_the_ones_that
     let (status, _, answer) = in_flight.await.unwrap();
     assert_eq!(status, StatusCode::OK, "the request in flight was cut: {answer}");
     assert!(answer["choices"][0]["message"]["content"].is_string());
-    let (status, _, _) = call(
-        &client,
-        Method::POST,
-        &format!("{gateway}/v1/chat/completions"),
-        Some(chat()),
-    )
-    .await;
-    assert_eq!(status, StatusCode::OK);
+    assert_eq!(ask(&client, &gateway).await.0, StatusCode::OK);
 }
 
 #[tokio::test]
@@ -403,13 +407,7 @@ async fn dns_discovery_finds_localhost_with_the_systems_resolver() {
         assert!(tokio::time::Instant::now() < deadline, "localhost never found");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let (status, headers, _) = call(
-        &client,
-        Method::POST,
-        &format!("{gateway}/v1/chat/completions"),
-        Some(chat()),
-    )
-    .await;
+    let (status, headers, _) = ask(&client, &gateway).await;
     assert_eq!(status, StatusCode::OK);
     assert!(headers.contains_key("x-dprouter-endpoint"));
 }
