@@ -201,6 +201,7 @@ impl Api {
         let mut version: Option<String> = None;
         loop {
             let mut listed = false;
+            let started = tokio::time::Instant::now();
             let step = async {
                 let current = match version.take() {
                     Some(v) => v,
@@ -223,7 +224,9 @@ impl Api {
                 _ = stop.wait_for(|s| *s) => return,
             };
             let error = match result {
-                Ok(()) => continue,
+                // The server ended the watch: again from the last version (not at once, if it ended at once).
+                Ok(()) if started.elapsed() >= RETRY => continue,
+                Ok(()) => format!("{path}: the server ended the watch at once"),
                 Err(ApiError::Gone) if !listed => {
                     tracing::info!(%path, "resource version too old (410 Gone): listing again");
                     continue;
@@ -255,7 +258,7 @@ fn check_status(status: StatusCode, body: &[u8], path: &str) -> Result<(), ApiEr
         .unwrap_or_default();
     let hint = match status {
         StatusCode::UNAUTHORIZED => " (the token is not accepted)",
-        StatusCode::FORBIDDEN => " (the service account needs get, list and watch on it: deploy/rbac.yaml)",
+        StatusCode::FORBIDDEN => " (the service account needs get, list and watch on it: deploy/kubernetes/epp.yaml)",
         _ => "",
     };
     Err(ApiError::Other(format!("{path}: status {status}{hint}: {message}")))
