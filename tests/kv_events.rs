@@ -65,6 +65,27 @@ async fn feeds(gw: &Proc) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// Waits until the gateway's two feeds are connected.
+async fn wait_for_both_feeds(gw: &Proc) {
+    let subscribed = eventually(Duration::from_secs(10), || async {
+        let feeds = feeds(gw).await;
+        feeds.len() == 2 && feeds.iter().all(|f| f["connected"] == json!(true))
+    });
+    assert!(subscribed.await, "{:?}", feeds(gw).await);
+}
+
+/// Caches `prompt` at the engine directly (on `rank`), without the gateway.
+async fn seed_at_engine(engine: &Proc, prompt: &[u32], rank: u32) {
+    let seeded = post(
+        &client(),
+        &format!("{}/generate", engine.url),
+        &[],
+        &generate(prompt, Some(rank)),
+    )
+    .await;
+    assert_eq!(seeded.status, StatusCode::OK, "{}", seeded.text);
+}
+
 /// Prompts cached at the engine directly (the gateway never routed them) are found where the engine put them;
 /// a flush at the engine is seen too. Without events, the gateway would place each of the eight by its cold
 /// rendezvous choice and find all eight by chance once in 256 runs.
@@ -73,21 +94,10 @@ async fn the_index_follows_what_the_engine_caches_behind_the_gateways_back() {
     for encoding in ["positional", "named"] {
         let (engine, gw) = engine_and_gateway(encoding, encoding).await;
         let c = client();
-        let subscribed = eventually(Duration::from_secs(10), || async {
-            let feeds = feeds(&gw).await;
-            feeds.len() == 2 && feeds.iter().all(|f| f["connected"] == json!(true))
-        });
-        assert!(subscribed.await, "{:?}", feeds(&gw).await);
+        wait_for_both_feeds(&gw).await;
         let prompts: Vec<Vec<u32>> = (0..8).map(|i| ids(i + 1, 200)).collect();
         for (i, prompt) in prompts.iter().enumerate() {
-            let seeded = post(
-                &c,
-                &format!("{}/generate", engine.url),
-                &[],
-                &generate(prompt, Some(i as u32 % 2)),
-            )
-            .await;
-            assert_eq!(seeded.status, StatusCode::OK, "{}", seeded.text);
+            seed_at_engine(&engine, prompt, i as u32 % 2).await;
         }
         // 8 prompts of 200 tokens plus one answer token each: 12 router blocks of 16 each.
         let followed = eventually(Duration::from_secs(10), || async {
@@ -140,14 +150,7 @@ async fn a_late_gateway_learns_the_cache_from_the_replay() {
     let engine = publishing_engine(&[]);
     let c = client();
     let prompt = ids(99, 160);
-    let seeded = post(
-        &c,
-        &format!("{}/generate", engine.url),
-        &[],
-        &generate(&prompt, Some(1)),
-    )
-    .await;
-    assert_eq!(seeded.status, StatusCode::OK);
+    seed_at_engine(&engine, &prompt, 1).await;
     let gw = following_gateway(&engine, "late", "").await;
     let learned = eventually(Duration::from_secs(10), || async {
         feeds(&gw)
@@ -464,21 +467,10 @@ async fn a_worker_added_at_run_time_is_followed_and_unfollowed_when_removed() {
     let added = post(&c, &format!("{}/workers", gw.url), &[], &worker).await;
     assert_eq!(added.status, StatusCode::CREATED, "{}", added.text);
     let id = added.json["id"].as_u64().unwrap();
-    let subscribed = eventually(Duration::from_secs(10), || async {
-        let feeds = feeds(&gw).await;
-        feeds.len() == 2 && feeds.iter().all(|f| f["connected"] == json!(true))
-    });
-    assert!(subscribed.await, "{:?}", feeds(&gw).await);
+    wait_for_both_feeds(&gw).await;
     // A prompt cached at the engine directly is found where the engine put it.
     let prompt = ids(77, 200);
-    let seeded = post(
-        &c,
-        &format!("{}/generate", engine.url),
-        &[],
-        &generate(&prompt, Some(1)),
-    )
-    .await;
-    assert_eq!(seeded.status, StatusCode::OK, "{}", seeded.text);
+    seed_at_engine(&engine, &prompt, 1).await;
     let followed = eventually(Duration::from_secs(10), || async {
         feeds(&gw).await.iter().any(|f| f["router_blocks"].as_u64() == Some(12))
     });
