@@ -9,7 +9,8 @@
 # splits that error per request: predictions within a block of the report, the rest of requests that arrived
 # within 0.1 s of the first (the opening burst), and the rest over and under the report. With FRONT=epp the
 # replicas are `dprouter epp` pickers behind one Envoy (deploy/envoy.yaml; $ENVOY, default `envoy` from PATH), which
-# shares the requests among them. Uses `dprouter` from PATH; everything started here is stopped on exit.
+# shares the requests among them. With DECISIONS=1 each run adds the gateways' routing decisions by branch, summed.
+# MODES limits the modes run. Uses `dprouter` from PATH; everything started here is stopped on exit.
 set -euo pipefail
 preset=${PRESET:-h100-8b}
 capacity=${KV_CAPACITY:-16000}
