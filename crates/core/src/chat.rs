@@ -11,8 +11,8 @@ use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::json_key::Key;
 use crate::prompt::{self, PromptError};
-use crate::request_body::Key;
 
 /// Renders `tools` and a request's `messages` member, read as it was parsed (in the same pass as the body's other
 /// members: [`crate::request_body`]).

@@ -3,8 +3,8 @@
 //! gateway in front.
 //!
 //! The engine is one worker whose ranks are the endpoints. Each [`DpRouter::pick`] dispatches through the same
-//! [`dispatch`] as the gateway (so a policy learns the same things in the same order), and, when the engine names
-//! the request, keeps its [`Ticket`] by request id until the engine reports the request's first token, its finish
+//! [`dispatch`](crate::dispatch) as the gateway (so a policy learns the same things in the same order), and, when the engine names
+//! the request, keeps its [`Ticket`](crate::Ticket) by request id until the engine reports the request's first token, its finish
 //! (with its prompt and cached tokens: the policy's feedback) or its abort. An engine that misses a finish must not
 //! leak: tickets are bounded in number and in age ([`TicketLimits`]), the oldest dropped first. Load reports, ranks
 //! going inactive, and each rank's KV events ([`crate::kv_feed`], with no replay) reach the policy the same way
@@ -20,8 +20,9 @@ use crate::endpoint::{Endpoint, EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::kv_feed::{Feed, Received, MAX_ENGINE_BLOCKS};
 use crate::load::EngineReport;
-use crate::policy::{dispatch_among, Branch, Pick, Policy};
+use crate::policy::{Branch, Pick, Policy};
 use crate::request::RouteRequest;
+use crate::ticket::dispatch_among;
 use crate::ticket::Ticket;
 use crate::usage::Usage;
 

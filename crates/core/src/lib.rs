@@ -12,6 +12,7 @@ pub mod endpoint;
 pub mod engine_blocks;
 pub mod error;
 pub mod hashing;
+mod json_key;
 pub mod kv_events;
 pub mod kv_feed;
 pub mod load;
@@ -28,9 +29,10 @@ pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};
 pub use policy::{
-    dispatch, dispatch_among, route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick,
-    Policy, PolicyRef, PrefixAffinityConfig, Prepared, Ticket,
+    route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick, Policy,
+    PrefixAffinityConfig, Prepared,
 };
 pub use prefix_key::PrefixWindow;
 pub use request::{Prompt, RouteRequest};
+pub use ticket::{dispatch, dispatch_among, PolicyRef, Ticket};
 pub use usage::{Framing, Usage, UsageScanner};

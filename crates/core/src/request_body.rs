@@ -14,11 +14,12 @@ use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
-use serde::de::{self, Deserializer, MapAccess, Visitor};
+use serde::de::{Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use crate::json_key::Key;
 use crate::prompt::{self, PromptError};
 use crate::request::{Prompt, RouteRequest};
 
@@ -74,28 +75,6 @@ impl<'a> Member<'a> {
 
 /// Every top-level member of an object, in order, values unparsed.
 struct Members<'a>(Vec<Member<'a>>);
-
-/// An object key, borrowed from the input when it has no escapes.
-pub(crate) struct Key<'a>(pub(crate) Cow<'a, str>);
-
-impl<'de> Deserialize<'de> for Key<'de> {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct KeyVisitor;
-        impl<'de> Visitor<'de> for KeyVisitor {
-            type Value = Key<'de>;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a string")
-            }
-            fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(Key(Cow::Borrowed(v)))
-            }
-            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(Key(Cow::Owned(v.to_owned())))
-            }
-        }
-        d.deserialize_str(KeyVisitor)
-    }
-}
 
 impl<'de> Deserialize<'de> for Members<'de> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {

@@ -9,19 +9,19 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use axum::body::{Body, Bytes};
-use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dprouter_core::prompt::{parse_request, render_chat};
 use dprouter_core::Prompt;
-use futures_util::stream;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::engine::{Api, Emit, Engine, Refusal};
+use crate::engine::{Api, Engine, Refusal};
+use crate::render::{error, stream_response, whole_response, Kind, Renderer};
 use crate::responses::{Keep, ResponseStore};
 use crate::tokenizer::encode;
 use dprouter_sim::tokens::mix;
@@ -57,10 +57,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
-        .route(
-            "/v1/responses/{id}",
-            get(crate::responses::get_response).delete(crate::responses::delete_response),
-        )
+        .route("/v1/responses/{id}", get(get_response).delete(delete_response))
         .route("/v1/embeddings", post(embeddings))
         .route("/health", get(health))
         .route("/health_generate", get(health))
@@ -73,16 +70,6 @@ pub fn router(engine: Arc<Engine>) -> Router {
         // Real engines take bodies far past axum's 2 MB default (SGLang and vLLM set no limit).
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(state)
-}
-
-pub(crate) fn error(status: StatusCode, message: impl Into<String>) -> Response {
-    let kind = if status.is_client_error() {
-        "BadRequestError"
-    } else {
-        "InternalServerError"
-    };
-    let body = json!({"error": {"message": message.into(), "type": kind, "code": status.as_u16()}});
-    (status, Json(body)).into_response()
 }
 
 async fn not_found() -> Response {
@@ -163,14 +150,6 @@ fn unix_time() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs())
         .unwrap_or(0)
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    Generate,
-    Chat,
-    Completion,
-    Responses,
 }
 
 /// One generation request, parsed.
@@ -313,10 +292,30 @@ async fn responses(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -
         None => None,
         Some(id) => match s.responses.conversation(&id) {
             Some(conversation) => Some(conversation),
-            None => return error(StatusCode::NOT_FOUND, format!("Response with id '{id}' not found.")),
+            None => return response_not_found(&id),
         },
     };
     serve_job(s, Kind::Responses, &headers, &body, prior).await
+}
+
+fn response_not_found(id: &str) -> Response {
+    error(StatusCode::NOT_FOUND, format!("Response with id '{id}' not found."))
+}
+
+/// `GET /v1/responses/{id}`.
+async fn get_response(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    match s.responses.get(&id) {
+        Some(object) => Json(object).into_response(),
+        None => response_not_found(&id),
+    }
+}
+
+/// `DELETE /v1/responses/{id}`.
+async fn delete_response(State(s): State<AppState>, Path(id): Path<String>) -> Response {
+    if !s.responses.remove(&id) {
+        return response_not_found(&id);
+    }
+    Json(json!({"id": id, "object": "response", "deleted": true})).into_response()
 }
 
 /// The length of the mock's embedding vectors.
@@ -435,205 +434,5 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
     response
         .headers_mut()
         .insert(SERVED_RANK_HEADER, HeaderValue::from(rank));
-    response
-}
-
-/// Builds response bodies in the shape of the request's API.
-pub(crate) struct Renderer {
-    kind: Kind,
-    pub(crate) id: String,
-    pub(crate) model: String,
-    pub(crate) created: u64,
-    rank: usize,
-    include_usage: bool,
-    pub(crate) text: String,
-    output_ids: Vec<u32>,
-    pub(crate) prompt_tokens: usize,
-    pub(crate) cached_tokens: usize,
-    pub(crate) completion_tokens: u32,
-    /// Responses: the next event's `sequence_number`.
-    pub(crate) sequence: u64,
-    /// Responses: where the answer is stored once it ends.
-    pub(crate) keep: Option<Keep>,
-}
-
-impl Renderer {
-    fn usage(&self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens as usize,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
-    }
-
-    fn meta_info(&self, finished: bool) -> Value {
-        let finish = finished.then(|| json!({"type": "length", "length": self.completion_tokens}));
-        json!({
-            "id": self.id,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "dp_rank": self.rank,
-            "finish_reason": finish,
-        })
-    }
-
-    /// Records one emitted event; returns the text it added.
-    fn absorb(&mut self, emit: &Emit) -> Option<String> {
-        match emit {
-            Emit::First {
-                text,
-                token,
-                prompt_tokens,
-                cached_tokens,
-            } => {
-                self.prompt_tokens = *prompt_tokens;
-                self.cached_tokens = *cached_tokens;
-                self.completion_tokens = 1;
-                self.text.push_str(text);
-                self.output_ids.push(*token);
-                Some(text.clone())
-            }
-            Emit::Token { text, token } => {
-                self.completion_tokens += 1;
-                self.text.push_str(text);
-                self.output_ids.push(*token);
-                Some(text.clone())
-            }
-            Emit::Done { completion_tokens } => {
-                self.completion_tokens = *completion_tokens;
-                None
-            }
-            Emit::Drop => None,
-        }
-    }
-
-    fn chunk(&self, delta: Option<&str>, first: bool, finished: bool) -> Value {
-        let finish_reason = if finished { json!("length") } else { Value::Null };
-        match self.kind {
-            Kind::Generate if finished => {
-                json!({"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(true), "index": 0})
-            }
-            Kind::Generate => json!({"text": self.text, "meta_info": self.meta_info(false), "index": 0}),
-            Kind::Chat => {
-                let delta = match (delta, first) {
-                    (Some(d), true) => json!({"role": "assistant", "content": d}),
-                    (Some(d), false) => json!({"content": d}),
-                    (None, _) => json!({}),
-                };
-                json!({"id": format!("chatcmpl-{}", self.id), "object": "chat.completion.chunk", "created": self.created,
-                       "model": self.model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]})
-            }
-            Kind::Completion => {
-                json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
-                       "model": self.model, "choices": [{"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish_reason}]})
-            }
-            Kind::Responses => unreachable!("Responses events are built by `responses_events`"),
-        }
-    }
-
-    fn usage_chunk(&self) -> Value {
-        let (object, id) = if self.kind == Kind::Chat {
-            ("chat.completion.chunk", format!("chatcmpl-{}", self.id))
-        } else {
-            ("text_completion", format!("cmpl-{}", self.id))
-        };
-        json!({"id": id, "object": object, "created": self.created, "model": self.model, "choices": [], "usage": self.usage()})
-    }
-
-    fn whole(&self) -> Value {
-        match self.kind {
-            Kind::Generate => {
-                json!({"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info(true)})
-            }
-            Kind::Chat => {
-                json!({"id": format!("chatcmpl-{}", self.id), "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": self.text}, "finish_reason": "length"}],
-                "usage": self.usage()})
-            }
-            Kind::Completion => {
-                json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "text": self.text, "logprobs": null, "finish_reason": "length"}],
-                "usage": self.usage()})
-            }
-            Kind::Responses => self.response(true),
-        }
-    }
-}
-
-fn sse(value: &Value) -> Bytes {
-    Bytes::from(format!("data: {value}\n\n"))
-}
-
-async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<Emit>) -> Response {
-    while let Some(emit) = rx.recv().await {
-        if let Emit::Done { .. } = emit {
-            render.absorb(&emit);
-            render.keep_response();
-            return Json(render.whole()).into_response();
-        }
-        render.absorb(&emit);
-    }
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "the request ended before it finished",
-    )
-}
-
-enum StreamState {
-    Running(Renderer, mpsc::Receiver<Emit>, bool),
-    Ended,
-}
-
-fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
-    let events = stream::unfold(StreamState::Running(render, rx, true), |state| async move {
-        let StreamState::Running(mut render, mut rx, first) = state else {
-            return None;
-        };
-        let emit = rx.recv().await?;
-        match emit {
-            Emit::Drop => {
-                // Let the server write the events already sent (it flushes when the body is pending), so the
-                // stream breaks after exactly the tokens the engine emitted.
-                tokio::task::yield_now().await;
-                Some((
-                    Err(std::io::Error::other("injected fault: connection dropped")),
-                    StreamState::Ended,
-                ))
-            }
-            Emit::Done { .. } if render.kind == Kind::Responses => {
-                render.absorb(&emit);
-                render.keep_response();
-                let out = render.responses_events(None, first, true);
-                Some((Ok(Bytes::from(out)), StreamState::Ended))
-            }
-            Emit::Done { .. } => {
-                render.absorb(&emit);
-                let mut out = sse(&render.chunk(None, false, true)).to_vec();
-                if render.include_usage && render.kind != Kind::Generate {
-                    out.extend_from_slice(&sse(&render.usage_chunk()));
-                }
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                Some((Ok(Bytes::from(out)), StreamState::Ended))
-            }
-            _ => {
-                let delta = render.absorb(&emit);
-                let chunk = if render.kind == Kind::Responses {
-                    Bytes::from(render.responses_events(delta.as_deref(), first, false))
-                } else {
-                    sse(&render.chunk(delta.as_deref(), first, false))
-                };
-                Some((Ok(chunk), StreamState::Running(render, rx, false)))
-            }
-        }
-    });
-    let mut response = Response::new(Body::from_stream(events));
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    response
-        .headers_mut()
-        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     response
 }

@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 pub mod api;
 pub mod engine;
 pub mod kv_publisher;
+mod render;
 pub mod responses;
 pub mod stall;
 pub mod tokenizer;

@@ -1,20 +1,18 @@
 //! The routing policy trait and the one entry point every front end calls.
 //!
-//! [`dispatch`] applies a client's rank override first (for every policy: it wins, is range- and health-checked,
+//! [`dispatch`](crate::dispatch) applies a client's rank override first (for every policy: it wins, is range- and health-checked,
 //! never advances a policy's counters and is never counted speculatively), then asks the policy, and returns a
-//! [`Ticket`] holding the request's share of the endpoint's load. Policies never see down endpoints as candidates:
+//! [`Ticket`](crate::Ticket) holding the request's share of the endpoint's load. Policies never see down endpoints as candidates:
 //! they choose among [`Candidates`], the snapshot's healthy endpoints less any a retry refused.
 //!
-//! Feedback reaches a policy only through the ticket: [`Ticket::first_token`] (the queued-prefill share is
-//! released), [`Ticket::usage`] (the engine said how much of the prompt it had cached: [`Policy::observe`]),
-//! [`Ticket::reroute`] (the endpoint never got the request: [`Policy::retract`], then a new decision), and its drop
+//! Feedback reaches a policy only through the ticket: [`Ticket::first_token`](crate::Ticket::first_token) (the queued-prefill share is
+//! released), [`Ticket::usage`](crate::Ticket::usage) (the engine said how much of the prompt it had cached: [`Policy::observe`]),
+//! [`Ticket::reroute`](crate::Ticket::reroute) (the endpoint never got the request: [`Policy::retract`], then a new decision), and its drop
 //! (the request ended).
 
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::request::RouteRequest;
-
-pub use crate::ticket::{dispatch, dispatch_among, PolicyRef, Ticket};
 
 pub mod cache_aware;
 pub mod follow_bootstrap_room;
@@ -99,7 +97,7 @@ impl Branch {
 pub struct Pick {
     pub rank: usize,
     pub branch: Branch,
-    /// Predicted uncached prompt tokens; `None` means the whole prompt. [`dispatch`] counts it as queued prefill.
+    /// Predicted uncached prompt tokens; `None` means the whole prompt. [`dispatch`](crate::dispatch) counts it as queued prefill.
     pub prefill_tokens: Option<u64>,
     /// What an index-based policy believed the endpoint held of the prompt, for learning from the engine's report.
     pub matched: Option<Matched>,
@@ -215,7 +213,7 @@ impl std::fmt::Debug for Candidates<'_> {
 /// candidate's rank. Implementations use interior mutability (atomics, short locks) and are shared across threads.
 ///
 /// Every hook of one request gets the same [`Prepared`], made once by `prepare`. Front ends do not call the hooks
-/// themselves: [`dispatch`] calls `prepare`, `choose` or `pinned`, and the [`Ticket`] it returns carries the
+/// themselves: [`dispatch`](crate::dispatch) calls `prepare`, `choose` or `pinned`, and the [`Ticket`](crate::Ticket) it returns carries the
 /// request's feedback (`observe`, `retract`), so every front end (gateway, simulator, bench client) feeds a policy
 /// the same way.
 pub trait Policy: Send + Sync {
@@ -283,7 +281,7 @@ pub fn decide(
     Ok(pick)
 }
 
-/// Routes one request among all healthy endpoints of `snap` (tools and tests; front ends use [`dispatch`]).
+/// Routes one request among all healthy endpoints of `snap` (tools and tests; front ends use [`dispatch`](crate::dispatch)).
 pub fn route(policy: &dyn Policy, snap: &Snapshot, req: &RouteRequest) -> Result<Pick, RouteError> {
     decide(policy, &Candidates::all(snap), req, &policy.prepare(req))
 }
@@ -309,6 +307,7 @@ pub(crate) fn argmin<K: Ord>(candidates: &Candidates<'_>, key: impl Fn(usize) ->
 #[cfg(test)]
 pub(crate) mod testing {
     use super::*;
+    use crate::ticket::{dispatch, Ticket};
 
     /// Routes every request through `dispatch` and returns the ranks with the tickets: as long as the caller
     /// holds them, it is as if no request completed.
@@ -334,6 +333,7 @@ pub(crate) mod testing {
 mod tests {
     use super::*;
     use crate::config::PolicyConfig;
+    use crate::ticket::dispatch;
 
     #[test]
     fn cache_namespaces_share_no_keys() {

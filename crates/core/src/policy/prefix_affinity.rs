@@ -176,8 +176,9 @@ mod tests {
     use crate::endpoint::Snapshot;
     use crate::endpoint::{Endpoint, EndpointId};
     use crate::load::LoadGuard;
+    use crate::policy::route;
     use crate::policy::testing::{empty_requests, ranks};
-    use crate::policy::{dispatch, route};
+    use crate::ticket::dispatch;
     use proptest::prelude::*;
     use std::sync::Arc;
 

@@ -34,8 +34,8 @@ mod tests {
     use super::*;
     use crate::endpoint::Snapshot;
     use crate::load::EngineReport;
-    use crate::policy::dispatch;
     use crate::policy::testing::{empty_requests, ranks};
+    use crate::ticket::dispatch;
 
     fn report(snap: &Snapshot, requests: &[u64], timestamp: u64) {
         for (r, &n) in requests.iter().enumerate() {

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::endpoint::Endpoint;
-use crate::policy::dispatch;
+use crate::ticket::dispatch;
 
 #[test]
 fn a_cold_prompt_goes_where_it_evicts_nothing() {

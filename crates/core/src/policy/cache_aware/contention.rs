@@ -40,8 +40,9 @@ impl Overlap {
 mod tests {
     use super::*;
     use crate::endpoint::Snapshot;
-    use crate::policy::{dispatch, Branch, CacheAware, CacheAwareConfig};
+    use crate::policy::{Branch, CacheAware, CacheAwareConfig};
     use crate::request::RouteRequest;
+    use crate::ticket::dispatch;
     use proptest::prelude::*;
 
     #[test]

@@ -113,8 +113,9 @@ impl Learned {
 mod tests {
     use super::*;
     use crate::endpoint::{Endpoint, EndpointId, Snapshot};
-    use crate::policy::{dispatch, CacheAware, CacheAwareConfig};
+    use crate::policy::{CacheAware, CacheAwareConfig};
     use crate::request::RouteRequest;
+    use crate::ticket::dispatch;
     use crate::usage::Usage;
 
     /// Two agents take turns (A1 B1 A2 B2 …) on two engines that each keep one prompt (a llama.cpp slot) while

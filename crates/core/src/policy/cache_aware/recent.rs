@@ -53,8 +53,9 @@ fn decayed(count: f64, elapsed_us: u64, half_life_us: f64) -> f64 {
 mod tests {
     use super::*;
     use crate::endpoint::Snapshot;
-    use crate::policy::{dispatch, CacheAware, CacheAwareConfig};
+    use crate::policy::{CacheAware, CacheAwareConfig};
     use crate::request::RouteRequest;
+    use crate::ticket::dispatch;
 
     /// Requests per endpoint for 40 identical prompts too short to index, one a second: all cold, all with the
     /// same rendezvous choice.

@@ -3,8 +3,9 @@
 
 use super::*;
 use crate::endpoint::Endpoint;
+use crate::policy::route;
 use crate::policy::testing::{empty_requests, ranks};
-use crate::policy::{dispatch, route};
+use crate::ticket::dispatch;
 
 fn usage(prompt_tokens: u64, cached_tokens: u64) -> crate::usage::Usage {
     crate::usage::Usage {
