@@ -55,17 +55,6 @@ async fn frame(s: &mut TcpStream, more: bool, payload: &[u8]) -> std::io::Result
     s.write_all(payload).await
 }
 
-/// The gateway's peak resident memory (`VmHWM`), bytes.
-fn peak_rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
-        .unwrap()
-        * 1024
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hostile_publisher_cannot_take_the_gateway_down() {
     let publisher = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -140,7 +129,7 @@ async fn a_hostile_publisher_cannot_take_the_gateway_down() {
     )
     .unwrap();
     let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
-    let before = peak_rss(gw.child.id());
+    let before = common::memory::peak_rss(gw.child.id());
     let c = client();
     let feed = || async { get(&c, &format!("{}/kv_events", gw.url)).await.json["feeds"][0].clone() };
     // Three connections: the huge frame and the endless message each end theirs, the NaN batch is refused.
@@ -162,7 +151,7 @@ async fn a_hostile_publisher_cannot_take_the_gateway_down() {
     let body = json!({"text": "still here", "sampling_params": {"max_new_tokens": 2}});
     let reply = post(&c, &format!("{}/generate", gw.url), &[], &body).await;
     assert_eq!(reply.status, hyper::StatusCode::OK, "{}", reply.text);
-    let grown = peak_rss(gw.child.id()).saturating_sub(before);
+    let grown = common::memory::peak_rss(gw.child.id()).saturating_sub(before);
     eprintln!("peak RSS grew by {} MB", grown >> 20);
     assert!(grown < 512 << 20, "peak RSS grew by {} MB", grown >> 20);
 }

@@ -15,6 +15,7 @@ use serde_json::Value;
 
 pub mod conversations;
 pub mod envoy;
+pub mod memory;
 
 /// A `dprouter` subprocess, killed when dropped.
 pub struct Proc {

@@ -7,8 +7,11 @@
 //! Tokenizing costs about 200 bytes of memory and 1.5 µs per prompt byte, so the work is bounded twice: a prompt
 //! is tokenized up to `tokenize_max_bytes` of its rendering only (a longer one is keyed on that head, and its
 //! token count estimated from it; `dprouter_tokenize_cut_total`), and at most one tokenization per core runs at
-//! once (others wait their turn). Long prompts are tokenized on the blocking pool, off the async runtime.
+//! once (others wait their turn). A chat is rendered only as far as that head needs, from the body's own bytes
+//! (`ModelTokenizer::chat_head`), and a text prompt is copied only when it holds escapes. Long prompts are
+//! tokenized on the blocking pool, off the async runtime.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -92,25 +95,26 @@ struct TextFields<'a> {
     text: Option<&'a RawValue>,
 }
 
-/// The token ids of a body's text or chat prompt (its head of `max_bytes`), if the tokenizer takes it.
+/// The token ids of a body's text or chat prompt (its head of `max_bytes`), if the tokenizer takes it. The members
+/// are read as slices of the body: a chat is rendered only as far as its head needs, and a text prompt is copied
+/// only when it holds escapes.
 fn token_ids(tokenizer: &ModelTokenizer, body: &[u8], max_bytes: usize) -> Option<Head> {
     let fields: TextFields<'_> = serde_json::from_slice(body).ok()?;
-    let value = |raw: Option<&RawValue>| raw.and_then(|r| serde_json::from_str::<serde_json::Value>(r.get()).ok());
-    let ids = if let Some(messages) = value(fields.messages).filter(|m| !m.is_null()) {
-        tokenizer.chat_head(&messages, value(fields.tools).as_ref(), max_bytes)
+    let ids = if let Some(messages) = present(fields.messages) {
+        tokenizer.chat_head(messages, present(fields.tools), max_bytes)
     } else {
         // SGLang's `text`, then a completion's `prompt`, when it is one string (or one string in a list).
-        let text = value(fields.text)
-            .filter(|t| !t.is_null())
-            .or_else(|| value(fields.prompt))
-            .and_then(|t| match t {
-                serde_json::Value::String(s) => Some(s),
-                serde_json::Value::Array(mut items) if items.len() == 1 => match items.pop() {
-                    Some(serde_json::Value::String(s)) => Some(s),
-                    _ => None,
-                },
-                _ => None,
-            })?;
+        let raw = present(fields.text).or(fields.prompt)?;
+        let text = match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
+            Ok(text) => text,
+            Err(_) => {
+                let [one]: [Cow<'_, str>; 1] = serde_json::from_str::<Vec<Cow<'_, str>>>(raw.get())
+                    .ok()?
+                    .try_into()
+                    .ok()?;
+                one
+            }
+        };
         tokenizer.text_head(&text, max_bytes)
     };
     match ids {
@@ -120,6 +124,11 @@ fn token_ids(tokenizer: &ModelTokenizer, body: &[u8], max_bytes: usize) -> Optio
             None
         }
     }
+}
+
+/// A member that is there and not `null`.
+fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
+    raw.filter(|r| r.get() != "null")
 }
 
 /// Makes `route`'s prompt the token ids of the body's text or chat prompt (see the module documentation).

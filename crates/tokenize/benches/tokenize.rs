@@ -1,7 +1,8 @@
 //! CPU per request of token-exact keys, rendered with SmolLM2's chat template and tokenized
 //! (`cargo bench -p dprouter-tokenize`): a chat of about 200 bytes; a 90 KB conversation seen for the first time
 //! (every piece tokenized); and the next turn of a 90 KB conversation (its history's pieces cached, the new message
-//! tokenized).
+//! tokenized); and the head a router keys a 20 MB chat on (256 KiB, as the gateway's `tokenize_max_bytes`), as one
+//! message and as 20,000, seen for the first time.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use criterion::{criterion_group, criterion_main, Criterion};
 use dprouter_tokenize::ModelTokenizer;
 use serde_json::json;
+use serde_json::value::RawValue;
 
 fn history(bytes: usize, seed: u64) -> String {
     let sentence = "The gateway keys each prompt on the tokens the engine caches, 42 times over. ";
@@ -45,6 +47,25 @@ fn bench(c: &mut Criterion) {
             tokenizer.chat_ids(&messages, None).expect("ids")
         })
     });
+    let huge = |seed: u64, messages: usize| {
+        let each = 20_000_000 / messages;
+        let list: Vec<serde_json::Value> = (0..messages)
+            .map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": history(each, seed + i as u64)}))
+            .collect();
+        RawValue::from_string(serde_json::Value::Array(list).to_string()).expect("JSON")
+    };
+    for (name, messages) in [
+        ("chat_20MB_head_one_message", 1),
+        ("chat_20MB_head_20000_messages", 20_000),
+    ] {
+        c.bench_function(name, |b| {
+            b.iter_batched(
+                || huge(n.fetch_add(1, Ordering::Relaxed) * 1_000_000, messages),
+                |raw| tokenizer.chat_head(&raw, None, 256 << 10).expect("ids"),
+                criterion::BatchSize::PerIteration,
+            )
+        });
+    }
 }
 
 criterion_group! {

@@ -17,13 +17,17 @@
 //! kept (about 8 bytes a token, up to [`CACHED_TOKENS`] tokens, then the cache starts over), and a new turn costs
 //! only its new messages. Only added tokens without stripping, whole-word or normalization rules cut, as they cut
 //! in the tokenizer; the ids are the same either way (tested against the whole-text encoding). Rendering is linear
-//! in the conversation and cheap (22 µs for 90 KB). Measured with `cargo bench -p dprouter-tokenize`.
+//! in the conversation and cheap (22 µs for 90 KB), but a router keys a long chat on its head only, so it renders
+//! only as much of the conversation as the head needs (the `chat_head` module: a 20 MB chat costs what its head
+//! does). Measured with `cargo bench -p dprouter-tokenize`.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use serde_json::Value;
+
+mod chat_head;
 
 /// A model's tokenizer and chat template.
 pub struct ModelTokenizer {
@@ -164,32 +168,53 @@ impl ModelTokenizer {
             .map_err(|e| format!("the chat template failed: {e}"))
     }
 
+    /// The chat template `source` in place of the model's, with these special tokens (tests of other models'
+    /// templates over one tokenizer).
+    #[cfg(test)]
+    pub(crate) fn replace_template(&mut self, source: &str, bos: &str, eos: &str) -> Result<(), String> {
+        self.template = Some(environment(source.to_owned(), Path::new("test"))?);
+        self.special.insert("bos_token".into(), Value::String(bos.into()));
+        self.special.insert("eos_token".into(), Value::String(eos.into()));
+        Ok(())
+    }
+
     /// A chat request's token ids: the rendering, tokenized without special tokens added (the template wrote them).
     pub fn chat_ids(&self, messages: &Value, tools: Option<&Value>) -> Result<Vec<u32>, String> {
         let text = self.render_chat(messages, tools)?;
         self.encode_pieces(&text)
     }
 
-    /// The ids of a chat's head: as [`Self::chat_ids`] for a rendering of at most `max_bytes`, else the ids of its
-    /// first `max_bytes` or so only ([`Head`]). Rendering is cheap; tokenizing costs about 200 bytes of memory
-    /// and 1.5 µs per token, so a router bounds its work by the head its keys need.
-    pub fn chat_head(&self, messages: &Value, tools: Option<&Value>, max_bytes: usize) -> Result<Head, String> {
-        let text = self.render_chat(messages, tools)?;
-        self.head(&text, max_bytes, |head| self.encode_pieces(head))
+    /// The ids of a chat's head, from the request's raw `messages` and `tools` members: as [`Self::chat_ids`] for
+    /// a rendering of at most `max_bytes`, else the ids of its first `max_bytes` or so only ([`Head`]), rendered
+    /// from as much of the conversation as they need (the `chat_head` module). Tokenizing costs about
+    /// 200 bytes of memory and 1.5 µs per token, and rendering a whole chat several times its size, so a router
+    /// bounds its work by the head its keys need.
+    pub fn chat_head(
+        &self,
+        messages: &serde_json::value::RawValue,
+        tools: Option<&serde_json::value::RawValue>,
+        max_bytes: usize,
+    ) -> Result<Head, String> {
+        let rendering = self.render_head(messages, tools, max_bytes)?;
+        self.head(&rendering.text, rendering.full_len, max_bytes, |head| {
+            self.encode_pieces(head)
+        })
     }
 
     /// The ids of a text prompt's head, as [`Self::text_ids`] within `max_bytes` ([`Self::chat_head`]).
     pub fn text_head(&self, text: &str, max_bytes: usize) -> Result<Head, String> {
-        self.head(text, max_bytes, |head| self.encode(head, true))
+        self.head(text, text.len(), max_bytes, |head| self.encode(head, true))
     }
 
     /// `text` tokenized by `encode` whole when it is at most `max_bytes`; otherwise its head: up to the last cutter
     /// (special token) that ends within `max_bytes` when there is one, whose ids are exactly the whole text's first
     /// ids; else its first `max_bytes` (at a character boundary) less the last [`UNSURE_TOKENS`] ids, which a
-    /// word cut in two may have changed.
+    /// word cut in two may have changed. `full_len` is the length of the text `text` starts (`text` may be only its
+    /// head), for the estimate of its tokens.
     fn head(
         &self,
         text: &str,
+        full_len: usize,
         max_bytes: usize,
         encode: impl Fn(&str) -> Result<Vec<u32>, String>,
     ) -> Result<Head, String> {
@@ -218,7 +243,7 @@ impl ModelTokenizer {
             ids.truncate(ids.len().saturating_sub(UNSURE_TOKENS));
         }
         // The rest at the head's rate.
-        let total = (ids.len() as f64 * text.len() as f64 / head.len().max(1) as f64).ceil() as u64;
+        let total = (ids.len() as f64 * full_len.max(text.len()) as f64 / head.len().max(1) as f64).ceil() as u64;
         Ok(Head { ids, cut: true, total })
     }
 
@@ -432,15 +457,16 @@ mod tests {
             {"role": "user", "content": long},
         ]);
         let whole = t.chat_ids(&messages, None).unwrap();
+        let raw = serde_json::value::RawValue::from_string(messages.to_string()).unwrap();
         let rendered = t.render_chat(&messages, None).unwrap().len();
         // Room for everything: the whole, exact.
-        let all = t.chat_head(&messages, None, rendered).unwrap();
+        let all = t.chat_head(&raw, None, rendered).unwrap();
         assert_eq!(
             (all.ids.as_slice(), all.cut, all.total),
             (whole.as_slice(), false, whole.len() as u64)
         );
         // Cut after the second message: up to a special token, exactly the whole's first ids.
-        let cut = t.chat_head(&messages, None, rendered * 2 / 3).unwrap();
+        let cut = t.chat_head(&raw, None, rendered * 2 / 3).unwrap();
         assert!(cut.cut && cut.ids.len() > whole.len() / 3, "{}", cut.ids.len());
         assert_eq!(cut.ids, whole[..cut.ids.len()]);
         assert!(
@@ -451,7 +477,7 @@ mod tests {
         // Inside the first message, with no special token far enough in: a prefix of the whole's ids, less the
         // ids a cut word may have changed.
         for max in [100, 1_000, 1_999] {
-            let cut = t.chat_head(&messages, None, max).unwrap();
+            let cut = t.chat_head(&raw, None, max).unwrap();
             assert!(cut.cut && !cut.ids.is_empty(), "{max}");
             assert_eq!(cut.ids, whole[..cut.ids.len()], "{max}");
         }
