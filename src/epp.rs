@@ -36,7 +36,7 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
     if config.server.tls_cert_file.is_some() {
         anyhow::bail!("dprouter epp serves gRPC and its HTTP side in plaintext: remove [server] tls_cert_file");
     }
-    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         embed_an_engine_if_no_worker(&mut config).await?;
         let state = AppState::new(config).await?;

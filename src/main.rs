@@ -5,11 +5,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// mimalloc instead of glibc's malloc: the gateway allocates and frees small buffers on every request, and glibc's
-/// allocator took 11% of its CPU at 200 B chat requests (`docs/operations.md`, "Overhead").
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
+mod alloc;
 mod bench;
 mod cost_args;
 #[cfg(feature = "epp")]
@@ -48,6 +44,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    alloc::configure();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_env_filter(

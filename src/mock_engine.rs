@@ -80,6 +80,10 @@ pub struct MockEngineArgs {
     /// tokenizer.json and tokenizer_config.json) instead of the mock's own pieces.
     #[arg(long, value_name = "DIR")]
     tokenizer: Option<std::path::PathBuf>,
+    /// The longest prompt taken, tokens: one of this length or more is refused with 400, as SGLang refuses it.
+    #[arg(long, default_value_t = dprouter_mock_engine::engine::CONTEXT_LENGTH,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    context_length: u32,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -129,6 +133,7 @@ impl MockEngineArgs {
                 )),
                 None => None,
             },
+            context_length: self.context_length,
         })
     }
 }

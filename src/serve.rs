@@ -153,7 +153,7 @@ const EMBEDDED_PRESET: &str = "h100-8b";
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.gateway_config()?;
-    let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         embed_an_engine_if_no_worker(&mut config).await?;
         let listen = config.listen;

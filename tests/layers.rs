@@ -1,6 +1,6 @@
 //! The layering of every crate's modules, checked: no module imports one that imports it back, directly or through
 //! others (the gateway's crate documentation lists its layers). The test reads each crate's sources and fails on
-//! an import cycle, naming it.
+//! an import cycle, naming it. And the one place `unsafe` code is allowed stays the only one.
 //!
 //! A module is a file of a crate's `src/` or a folder there (its files together: `policy/` is `policy`); it
 //! imports the modules its code names by `crate::` paths (and, in a file of `src/` itself, by `super::` paths, its
@@ -259,4 +259,35 @@ fn unit_tests_are_left_out() {
     // The layering of a crate whose folder module keeps its tests in files of their own.
     let core = imports(&Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/core/src"));
     assert!(!core["policy"].contains("ticket"), "{core:?}");
+}
+
+/// Every `.rs` file of the workspace: the binary's sources and tests, and each crate's.
+fn workspace_sources() -> Vec<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut files = Vec::new();
+    for dir in ["src", "tests", "crates"] {
+        sources(&root.join(dir), &mut files);
+    }
+    files
+}
+
+/// `unsafe_code` is denied for the whole workspace and allowed in one place only: the allocator's option in
+/// `src/alloc.rs` (a lint level named anywhere else, `allow` or `expect`, inner or outer, fails here).
+#[test]
+fn unsafe_code_is_allowed_in_one_place() {
+    let files = workspace_sources();
+    assert!(files.len() > 100, "the sources were not read: {}", files.len());
+    let this = Path::new(file!()).file_name().unwrap();
+    let mut allowed = Vec::new();
+    for path in files.iter().filter(|p| p.file_name() != Some(this)) {
+        let text = std::fs::read_to_string(path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or_default();
+            if code.contains("unsafe_code") {
+                allowed.push(format!("{}:{}", path.display(), n + 1));
+            }
+        }
+    }
+    assert_eq!(allowed.len(), 1, "unsafe code allowed at {allowed:?}");
+    assert!(allowed[0].contains("src/alloc.rs"), "{allowed:?}");
 }

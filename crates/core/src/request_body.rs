@@ -14,7 +14,7 @@ use std::borrow::Cow;
 use std::fmt;
 use std::ops::Range;
 
-use serde::de::{Deserializer, MapAccess, Visitor};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
@@ -288,12 +288,44 @@ fn token_ids(raw: &RawValue, field: &'static str) -> Result<Prompt, PromptError>
             expected: "an array of token ids",
         });
     }
-    serde_json::from_str::<Vec<u32>>(text)
-        .map(Prompt::Tokens)
+    // Sized once, to the ids the array can hold (one more than its commas): a vector grown by doubling would hold
+    // up to twice that, and both its old and new buffers at the last growth (4 bytes an id, against as few as 2
+    // bytes of body).
+    // (A valid array has at most one id per two bytes, whatever its commas.)
+    let commas = text.bytes().filter(|&b| b == b',').count();
+    let mut ids = Vec::with_capacity((commas + 1).min(text.len() / 2 + 1));
+    let mut de = serde_json::Deserializer::from_str(text);
+    IdsInto(&mut ids)
+        .deserialize(&mut de)
+        .and_then(|()| de.end())
         .map_err(|_| PromptError::Field {
             field,
             expected: "an array of token ids (integers in 0..2^32)",
-        })
+        })?;
+    Ok(Prompt::Tokens(ids))
+}
+
+/// Reads a JSON array of `u32` into a vector the caller sized.
+struct IdsInto<'v>(&'v mut Vec<u32>);
+
+impl<'de> DeserializeSeed<'de> for IdsInto<'_> {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for IdsInto<'_> {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array of token ids")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(id) = seq.next_element::<u32>()? {
+            self.0.push(id);
+        }
+        Ok(())
+    }
 }
 
 impl Layout {

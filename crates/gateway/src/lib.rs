@@ -10,7 +10,8 @@
 //! 1. Shared names and plain values, importing nothing of the crate but each other: [`crate::names`] (the
 //!    request-id header, the limits of a request head), [`crate::worker_config`] (one worker's),
 //!    [`crate::discovery_config`], [`crate::config`] (the whole), [`crate::error`], [`crate::clock`],
-//!    [`crate::tls`], [`crate::response_homes`], [`crate::drain_deadline`].
+//!    [`crate::tls`], [`crate::response_homes`], [`crate::drain_deadline`], [`crate::runtime`] (the runtime both
+//!    front doors run on).
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
@@ -46,6 +47,7 @@ pub mod registry;
 pub mod response_homes;
 pub mod responses;
 pub mod routing;
+pub mod runtime;
 pub mod server;
 pub mod state;
 pub mod telemetry;

@@ -52,19 +52,28 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok());
+    let mut body = body;
     if declared.is_some_and(|n| n > limit) {
+        // A client that waits for `100 Continue` sends nothing more; any other is sending its body already.
+        let waits = headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if !waits {
+            discard(&mut body).await;
+        }
         return Err(ApiError::TooLarge { limit });
     }
     // One buffer, grown by doubling as bytes arrive but never past the declared length: the body is held once
     // (not in frames and then in a copy), and a client only makes the gateway allocate what it actually sends.
     let collect = async {
         let mut buf: Vec<u8> = Vec::new();
-        let mut body = body;
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ApiError::BadRequest(format!("could not read the request body: {e}")))?;
             if let Ok(data) = frame.into_data() {
                 let needed = buf.len() + data.len();
                 if needed > limit {
+                    drop(buf);
+                    discard(&mut body).await;
                     return Err(ApiError::TooLarge { limit });
                 }
                 if needed > buf.capacity() {
@@ -82,6 +91,25 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     tokio::time::timeout(std::time::Duration::from_millis(after_ms), collect)
         .await
         .map_err(|_| ApiError::BodyTimeout { after_ms })?
+}
+
+/// How long the rest of a body refused as too large is read, at most in all and between two of its frames.
+const LINGER: Duration = Duration::from_secs(5);
+const LINGER_IDLE: Duration = Duration::from_secs(1);
+
+/// Reads and drops the rest of a body refused as too large (at most [`LINGER`], and no longer than
+/// [`LINGER_IDLE`] without a frame), as nginx's lingering close does: a client that sends its whole body before it
+/// reads the answer (most do) otherwise gets its connection reset mid-body instead of the 413. Nothing is kept;
+/// the answer closes the connection.
+async fn discard(body: &mut Body) {
+    let deadline = tokio::time::Instant::now() + LINGER;
+    loop {
+        let next = tokio::time::timeout_at(deadline.min(tokio::time::Instant::now() + LINGER_IDLE), body.frame());
+        match next.await {
+            Ok(Some(Ok(_))) => {}
+            _ => return,
+        }
+    }
 }
 
 /// The upstream request for `target`: the same path and query, the client's body without its rank override

@@ -15,8 +15,10 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dprouter_core::prompt::{parse_request, render_chat};
+use dprouter_core::request_body::parse_body;
 use dprouter_core::Prompt;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -168,6 +170,41 @@ fn bad(message: impl Into<String>) -> Response {
     error(StatusCode::BAD_REQUEST, message)
 }
 
+/// The members a generation request is read for besides its prompt, as slices of the body (the prompt and the rank
+/// override are read by the gateway's own parser, [`parse_body`]: token ids straight into integers, never a tree
+/// of the whole body).
+#[derive(Deserialize)]
+struct Members<'a> {
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tools: Option<&'a RawValue>,
+    #[serde(borrow)]
+    instructions: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input: Option<&'a RawValue>,
+    #[serde(borrow)]
+    sampling_params: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    max_output_tokens: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow)]
+    stream_options: Option<&'a RawValue>,
+    #[serde(borrow)]
+    store: Option<&'a RawValue>,
+}
+
+/// A member's value, when it is there and not `null`.
+fn present(raw: Option<&RawValue>) -> Option<Value> {
+    raw.filter(|r| r.get() != "null")
+        .and_then(|r| serde_json::from_str(r.get()).ok())
+}
+
 /// Parses a generation request; `prior` is the conversation a Responses request continues.
 fn parse_job(
     kind: Kind,
@@ -177,23 +214,24 @@ fn parse_job(
     body: &[u8],
     prior: Option<String>,
 ) -> Result<Job, String> {
-    let value: Value = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
-    let req = parse_request(&value).map_err(|e| e.to_string())?;
+    let req = parse_body(body, api == Api::Sglang).map_err(|e| e.to_string())?.route;
+    let members: Members<'_> = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let mut responses_prompt = None;
-    let tokens = match (&req.prompt, kind, tokenizer) {
-        (Prompt::Tokens(ids), _, _) => ids.clone(),
+    let tokens = match (req.prompt, kind, tokenizer) {
+        (Prompt::Tokens(ids), _, _) => ids,
         // With a model's tokenizer: its chat template, and its tokens, as an engine serving the model has them.
         (Prompt::Bytes(_), Kind::Chat, Some(t)) => {
-            t.chat_ids(&value["messages"], value.get("tools").filter(|v| !v.is_null()))?
+            let messages = present(members.messages).unwrap_or(Value::Null);
+            t.chat_ids(&messages, present(members.tools).as_ref())?
         }
-        (Prompt::Bytes(b), Kind::Generate | Kind::Completion, Some(t)) => t.text_ids(&String::from_utf8_lossy(b))?,
+        (Prompt::Bytes(b), Kind::Generate | Kind::Completion, Some(t)) => t.text_ids(&String::from_utf8_lossy(&b))?,
         (Prompt::Bytes(b), Kind::Responses, _) => {
             // The conversation so far, then the request rendered as a chat (a lone string input is the user's
             // message), then the generation prompt.
-            let chat = value.get("instructions").is_some_and(|v| !v.is_null())
-                || value.get("tools").is_some_and(|v| !v.is_null())
-                || !value["input"].is_string();
-            let text = String::from_utf8_lossy(b);
+            let chat = present(members.instructions).is_some()
+                || present(members.tools).is_some()
+                || !members.input.is_some_and(|i| i.get().starts_with('"'));
+            let text = String::from_utf8_lossy(&b);
             let prompt = if chat {
                 format!("{}{text}<|assistant|>\n", prior.unwrap_or_default())
             } else {
@@ -203,24 +241,18 @@ fn parse_job(
             responses_prompt = Some(prompt);
             tokens
         }
-        (Prompt::Bytes(_), Kind::Chat, None) => {
-            // The fixed chat template: the canonical rendering plus the generation prompt.
-            let mut text = render_chat(value.get("tools").filter(|t| !t.is_null()), &value["messages"])
-                .map(|b| String::from_utf8_lossy(&b).into_owned())
-                .map_err(|e| e.to_string())?;
-            text.push_str("<|assistant|>\n");
-            encode(&text)
+        // The fixed chat template: the canonical rendering (the prompt's bytes) plus the generation prompt.
+        (Prompt::Bytes(mut b), Kind::Chat, None) => {
+            b.extend_from_slice(b"<|assistant|>\n");
+            encode(&String::from_utf8_lossy(&b))
         }
-        (Prompt::Bytes(b), _, _) => encode(&String::from_utf8_lossy(b)),
+        (Prompt::Bytes(b), _, _) => encode(&String::from_utf8_lossy(&b)),
     };
     let max = match kind {
-        Kind::Generate => value.pointer("/sampling_params/max_new_tokens"),
-        Kind::Chat => value
-            .get("max_completion_tokens")
-            .filter(|v| !v.is_null())
-            .or(value.get("max_tokens")),
-        Kind::Completion => value.get("max_tokens"),
-        Kind::Responses => value.get("max_output_tokens"),
+        Kind::Generate => present(members.sampling_params).and_then(|p| p.get("max_new_tokens").cloned()),
+        Kind::Chat => present(members.max_completion_tokens).or(present(members.max_tokens)),
+        Kind::Completion => present(members.max_tokens),
+        Kind::Responses => present(members.max_output_tokens),
     };
     let max_new_tokens = match max.filter(|v| !v.is_null()) {
         None => {
@@ -255,16 +287,16 @@ fn parse_job(
             .and_then(|h| h.to_str().ok())
             .and_then(|s| s.trim().parse::<i64>().ok()),
     };
+    let flag = |raw: Option<&RawValue>| present(raw).and_then(|v| v.as_bool());
     Ok(Job {
         kind,
         tokens,
         max_new_tokens,
-        stream: value.get("stream").and_then(Value::as_bool).unwrap_or(false),
+        stream: flag(members.stream).unwrap_or(false),
         // Stored unless `"store": false`.
-        keep: responses_prompt.filter(|_| value.get("store").and_then(Value::as_bool) != Some(false)),
-        include_usage: value
-            .pointer("/stream_options/include_usage")
-            .and_then(Value::as_bool)
+        keep: responses_prompt.filter(|_| flag(members.store) != Some(false)),
+        include_usage: present(members.stream_options)
+            .and_then(|o| o.get("include_usage")?.as_bool())
             .unwrap_or(false),
         rank_override,
     })
@@ -393,6 +425,13 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         Ok(job) => job,
         Err(message) => return bad(message),
     };
+    if job.tokens.len() >= config.context_length as usize {
+        return bad(format!(
+            "The input ({} tokens) is longer than the model's context length ({} tokens).",
+            job.tokens.len(),
+            config.context_length
+        ));
+    }
     let admission = match s.engine.admit(job.rank_override) {
         Ok(admission) => admission,
         Err(refusal @ Refusal::RankNotActive(_)) => return bad(refusal.to_string()),
@@ -407,7 +446,7 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         .iter()
         .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
     let rank = admission.rank;
-    tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens.clone(), job.max_new_tokens, seed, job.stream, tx));
+    tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens, job.max_new_tokens, seed, job.stream, tx));
     let render = Renderer {
         kind: job.kind,
         id,

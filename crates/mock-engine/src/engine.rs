@@ -73,7 +73,13 @@ pub struct EngineConfig {
     pub kv_events: bool,
     /// Tokenize text and chat prompts with a model's own tokenizer and chat template instead of the mock's.
     pub tokenizer: Option<Arc<dprouter_tokenize::ModelTokenizer>>,
+    /// The longest prompt taken, tokens: a longer one is refused with 400, as SGLang refuses a prompt of the
+    /// model's context length or more.
+    pub context_length: u32,
 }
+
+/// The default context length, tokens (a long-context model's).
+pub const CONTEXT_LENGTH: u32 = 262_144;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -87,6 +93,7 @@ impl Default for EngineConfig {
             seed: 0,
             kv_events: false,
             tokenizer: None,
+            context_length: CONTEXT_LENGTH,
         }
     }
 }

@@ -238,6 +238,29 @@ async fn futures_collect(s: &Server, bodies: impl Iterator<Item = Value>) -> Vec
 }
 
 #[tokio::test]
+async fn a_prompt_of_the_context_length_or_more_is_refused_as_sglang_refuses_it() {
+    let s = start(EngineConfig {
+        context_length: 100,
+        ..config(2, "zero", 1.0)
+    })
+    .await;
+    let ids = |n: u32| json!({"input_ids": (0..n).collect::<Vec<u32>>(), "sampling_params": {"max_new_tokens": 1}});
+    assert_eq!(s.post("/generate", &[], ids(99)).await.0, StatusCode::OK);
+    let (status, _, body) = s.post("/generate", &[], ids(100)).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(
+        body["error"]["message"],
+        "The input (100 tokens) is longer than the model's context length (100 tokens)."
+    );
+    // A chat, counted in the tokens of its rendering.
+    let chat = json!({"messages": [{"role": "user", "content": "word ".repeat(200)}], "max_tokens": 1});
+    assert_eq!(
+        s.post("/v1/chat/completions", &[], chat).await.0,
+        StatusCode::BAD_REQUEST
+    );
+}
+
+#[tokio::test]
 async fn vllm_mode_reads_only_the_header() {
     let s = start(EngineConfig {
         api: Api::Vllm,
