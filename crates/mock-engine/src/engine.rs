@@ -78,8 +78,8 @@ pub struct EngineConfig {
     pub context_length: u32,
 }
 
-/// The default context length, tokens (a long-context model's).
-pub const CONTEXT_LENGTH: u32 = 262_144;
+/// The default context length, tokens (1,048,576, a long-context model's).
+pub const CONTEXT_LENGTH: u32 = 1 << 20;
 
 impl Default for EngineConfig {
     fn default() -> Self {
