@@ -73,13 +73,14 @@ impl ModelTokenizer {
     ) -> Result<Rendering, String> {
         let list = List::read(messages);
         let tools = tools.filter(|t| t.get() != "null").map(List::read);
-        let total = list.weight() + tools.as_ref().map_or(0, List::weight);
+        // JSON bytes of each list, summed once.
+        let (list_weight, tools_weight) = (list.weight(), tools.as_ref().map_or(0, List::weight));
+        let total = list_weight + tools_weight;
         let mut w = first_budget(max_bytes);
         // The system messages, found once (only a cut conversation needs them).
         let mut systems = None;
         loop {
-            let all_fit = fits(&list, w) && tools.as_ref().is_none_or(|t| fits(t, w));
-            if all_fit {
+            if list_weight <= w && tools_weight <= w {
                 break;
             }
             let systems: &[usize] = systems.get_or_insert_with(|| match &list {
@@ -98,7 +99,7 @@ impl ModelTokenizer {
                 && first.as_bytes()[..=max_bytes] == second.as_bytes()[..=max_bytes];
             if agree {
                 // The rest at the rate the second cut's extra JSON rendered.
-                let kept = |w: usize| list.weight().min(w) + tools.as_ref().map_or(0, |t| t.weight().min(w));
+                let kept = |w: usize| list_weight.min(w) + tools_weight.min(w);
                 let (w1, w2) = (kept(w), kept(2 * w));
                 let rate =
                     (second.len().saturating_sub(first.len()) as f64 / w2.saturating_sub(w1).max(1) as f64).min(4.0);
@@ -144,11 +145,6 @@ impl ModelTokenizer {
         };
         self.render_chat(&messages, tools.as_ref())
     }
-}
-
-/// Whether a budget of `w` JSON bytes keeps the whole list.
-fn fits(list: &List<'_>, w: usize) -> bool {
-    list.weight() <= w
 }
 
 /// How many of `items` a budget of `w` keeps: those that start within it, and `more` after them.
