@@ -70,16 +70,7 @@ impl PrefixWindow {
         let covered = self.covered(prompt);
         let mut hasher = Blake2b64::new();
         match prompt {
-            Prompt::Tokens(tokens) => {
-                // Serialize in stack-sized chunks: one `update` per 256 tokens instead of one per token.
-                let mut buf = [0u8; 1024];
-                for chunk in tokens[..covered].chunks(buf.len() / 4) {
-                    for (dst, id) in buf.chunks_exact_mut(4).zip(chunk) {
-                        dst.copy_from_slice(&id.to_le_bytes());
-                    }
-                    hasher.update(&buf[..chunk.len() * 4]);
-                }
-            }
+            Prompt::Tokens(tokens) => crate::hashing::token_bytes(&tokens[..covered], |bytes| hasher.update(bytes)),
             Prompt::Bytes(bytes) => hasher.update(&bytes[..covered]),
         }
         hasher.finalize().into()

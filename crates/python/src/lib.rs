@@ -2,7 +2,7 @@
 //! put in the engines' own DP dispatch (`python/dprouter/`).
 //!
 //! Token ids come as a list of ints or any buffer of 32- or 64-bit integers (`array('q')`, `array('i')`, numpy),
-//! read in Rust without a Python-level copy; the work that grows with the prompt (hashing, the index) runs with
+//! read in Rust without a Python-level copy ([`token_ids`]); the work that grows with the prompt (hashing, the index) runs with
 //! the interpreter released. No panic crosses into Python: a Rust panic would surface as PyO3's `PanicException`,
 //! which is not an `Exception` and would end the engine's dispatch loop, so every call catches its panics and
 //! raises [`DprouterError`] instead. Errors a caller can cause are `ValueError` subclasses carrying the core's
@@ -11,6 +11,8 @@
 //! Times (`now_us`) are microseconds on a monotonic clock; left out, this module's own clock is used.
 
 mod kv_events;
+mod small_ints;
+mod token_ids;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -20,11 +22,9 @@ use dprouter_core::dp_router::{
     self, Decision, DpRouter, DpRouterError, KvOutcome, LoadReport, PickOptions, TicketLimits,
 };
 use dprouter_core::{RouteError, Usage};
-use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict};
 
 pyo3::create_exception!(
     _dprouter,
@@ -78,53 +78,6 @@ fn usage(prompt_tokens: Option<u64>, cached_tokens: Option<u64>) -> Option<Usage
 fn clock_us() -> u64 {
     static START: OnceLock<Instant> = OnceLock::new();
     START.get_or_init(Instant::now).elapsed().as_micros() as u64
-}
-
-/// Token ids from a list (the engines' usual form), a buffer of 32- or 64-bit integers, or any other iterable of
-/// ints. A list is read by `array.array('I', list)`, CPython's own loop over it (half the time of reading its
-/// items one by one from Rust through the stable ABI), then copied from that buffer.
-fn read_tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    if obj.is_instance_of::<PyList>() {
-        static ARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-        let array = ARRAY.get_or_try_init(py, || py.import("array")?.getattr("array").map(Bound::unbind))?;
-        let unsigned = array
-            .bind(py)
-            .call1(("I", obj))
-            .map_err(|e| DprouterError::new_err(format!("token_ids must hold ints in 0..2^32 ({e})")))?;
-        return PyBuffer::<u32>::get(&unsigned)?.to_vec(py);
-    }
-    if let Ok(buffer) = PyBuffer::<i64>::get(obj) {
-        return buffer.to_vec(py)?.into_iter().map(checked).collect();
-    }
-    if let Ok(buffer) = PyBuffer::<i32>::get(obj) {
-        return buffer.to_vec(py)?.into_iter().map(|t| checked(t.into())).collect();
-    }
-    if let Ok(buffer) = PyBuffer::<u32>::get(obj) {
-        return buffer.to_vec(py);
-    }
-    if let Ok(buffer) = PyBuffer::<u64>::get(obj) {
-        return buffer
-            .to_vec(py)?
-            .into_iter()
-            .map(|t| u32::try_from(t).map_err(|_| DprouterError::new_err(format!("token id {t} is not in 0..2^32"))))
-            .collect();
-    }
-    let items = obj.try_iter().map_err(|_| {
-        DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers")
-    })?;
-    items.map(|item| token_id(&item?)).collect()
-}
-
-fn checked(value: i64) -> PyResult<u32> {
-    u32::try_from(value).map_err(|_| DprouterError::new_err(format!("token id {value} is not in 0..2^32")))
-}
-
-fn token_id(item: &Bound<'_, PyAny>) -> PyResult<u32> {
-    item.extract::<u32>().or_else(|_| match item.extract::<i64>() {
-        Ok(value) => checked(value),
-        Err(_) => Err(DprouterError::new_err("token_ids must hold ints")),
-    })
 }
 
 /// A routing decision.
@@ -189,7 +142,7 @@ impl Router {
         how: impl FnOnce(&mut DpRouter, Vec<u32>, &PickOptions<'_>, u64) -> Result<Decision, DpRouterError> + Send,
     ) -> PyResult<Pick> {
         guarded(|| {
-            let tokens = read_tokens(token_ids)?;
+            let tokens = token_ids::read(token_ids)?;
             let now = now_us.unwrap_or_else(clock_us);
             py.detach(|| guarded(|| how(&mut self.lock(), tokens, &options.borrowed(), now).map_err(error)))
                 .map(Pick::from)
@@ -508,7 +461,7 @@ impl Router {
 #[pyfunction]
 fn prefix_match_rank(py: Python<'_>, token_ids: &Bound<'_, PyAny>, num_ranks: usize) -> PyResult<usize> {
     guarded(|| {
-        let tokens = read_tokens(token_ids)?;
+        let tokens = token_ids::read(token_ids)?;
         py.detach(|| guarded(|| dp_router::prefix_match_rank(tokens, num_ranks).map_err(error)))
     })
 }
@@ -522,5 +475,7 @@ fn _dprouter(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PolicyError", m.py().get_type::<PolicyError>())?;
     m.add("RankError", m.py().get_type::<RankError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // Whether lists of token ids are read in place on this interpreter (its layouts checked at import).
+    m.add("_lists_read_in_place", token_ids::reader(m.py()).enabled())?;
     Ok(())
 }

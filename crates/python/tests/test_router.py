@@ -8,6 +8,7 @@ import array
 import json
 import socket
 import struct
+import sys
 import threading
 import time
 import unittest
@@ -15,6 +16,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import dprouter
+from dprouter import _dprouter
 
 TESTDATA = Path(__file__).resolve().parents[2] / "core" / "testdata"
 
@@ -89,6 +91,31 @@ class RouterApi(unittest.TestCase):
             self.assertEqual(dprouter.prefix_match_rank(given, 64), expected, type(given))
             router = dprouter.Router("prefix_match", 64)
             self.assertEqual(router.pick(given).rank, expected, type(given))
+
+    def test_lists_read_in_place_give_the_ids_the_api_gives(self):
+        # CPython 3.11 to 3.14 have the layouts the in-place reader was checked against at import.
+        if sys.implementation.name == "cpython" and (3, 11) <= sys.version_info[:2] <= (3, 14):
+            self.assertTrue(_dprouter._lists_read_in_place)
+
+        class Int(int):
+            pass
+
+        class List(list):
+            pass
+
+        base = run(7, 100)  # short prompts: prefix_match hashes them whole
+        edges = [0, 1, 255, 256, 257, 65535, 151935, 2**29, 2**30 - 1]  # one 30-bit digit: read in place
+        declined = [2**30, 2**31, 2**32 - 1, True, Int(5)]  # the API reads these: more digits, a bool, a subclass
+        if numpy is not None:
+            declined.append(numpy.int64(42))
+        cases = [base + edges, edges + base, [int(str(v)) for v in base]]
+        cases += [base[:50] + [d] + base[50:] for d in declined]
+        cases += [List(base + edges), [], [0], [2**30 - 1]]
+        for ids in cases:
+            expected = dprouter.prefix_match_rank(array.array("I", ids), 4096)
+            self.assertEqual(dprouter.prefix_match_rank(ids, 4096), expected, repr(ids[:3]))
+            router = dprouter.Router("prefix_match", 4096)
+            self.assertEqual(router.pick(ids).rank, expected)
 
     def test_feedback_releases_the_load(self):
         router = dprouter.Router("total_requests", 2)

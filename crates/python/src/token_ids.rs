@@ -1,0 +1,143 @@
+//! A prompt's token ids from Python: a list of ints (vLLM's form), a buffer of 32- or 64-bit integers
+//! (`array('q')`, SGLang's form; `array('i')`, numpy), or any other iterable of ints, into a vector of `u32`.
+//!
+//! A list of small ints is read in place ([`crate::small_ints`]); a buffer is copied out of its memory (64-bit ids
+//! into a scratch vector the thread keeps) and each id checked once. Anything else, and a list the fast reader declines (an id of 2^30 or
+//! more, a `bool`, an item that is not an int), goes through CPython's `array('I', list)`, whose errors name the
+//! bad item.
+
+use pyo3::buffer::{Element, PyBuffer, PyUntypedBuffer};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyList;
+
+use crate::small_ints::Reader;
+use crate::DprouterError;
+
+/// This interpreter's in-place list reader, made (and checked) once.
+pub fn reader(py: Python<'_>) -> Reader {
+    static READER: PyOnceLock<Reader> = PyOnceLock::new();
+    *READER.get_or_init(py, || Reader::new(py))
+}
+
+thread_local! {
+    /// The 64-bit ids of the last buffer read on this thread, kept for the next.
+    static SCRATCH: std::cell::RefCell<Vec<i64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Reads `obj`'s token ids into a new vector.
+pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let mut out = Vec::new();
+    if let Ok(list) = obj.cast::<PyList>() {
+        if reader(py).read(list, &mut out) {
+            return Ok(out);
+        }
+        return list_by_array(list);
+    }
+    // One buffer request, its element type told by its format (a failed typed request costs an exception).
+    if let Ok(buffer) = PyUntypedBuffer::get(obj) {
+        let format = buffer.format();
+        let ids = fits::<u32>(&buffer, format)
+            || fits::<i64>(&buffer, format)
+            || fits::<i32>(&buffer, format)
+            || fits::<u64>(&buffer, format);
+        // An empty array's memory may be a one-byte placeholder, not aligned for its type: nothing to read there.
+        if ids && buffer.item_count() == 0 {
+            return Ok(out);
+        }
+        if fits::<u32>(&buffer, format) {
+            let buffer = buffer.as_typed::<u32>()?;
+            out.resize(buffer.item_count(), 0);
+            buffer.copy_to_slice(py, &mut out)?;
+            return Ok(out);
+        }
+        if fits::<i64>(&buffer, format) {
+            // `array('q')`, SGLang's form, through a scratch vector kept by the thread.
+            let buffer = buffer.as_typed::<i64>()?;
+            SCRATCH.with_borrow_mut(|scratch| convert(py, buffer, &mut out, scratch))?;
+            return Ok(out);
+        }
+        if fits::<i32>(&buffer, format) {
+            convert(py, buffer.as_typed::<i32>()?, &mut out, &mut Vec::new())?;
+            return Ok(out);
+        }
+        if fits::<u64>(&buffer, format) {
+            convert(py, buffer.as_typed::<u64>()?, &mut out, &mut Vec::new())?;
+            return Ok(out);
+        }
+    }
+    let items = obj.try_iter().map_err(|_| {
+        DprouterError::new_err("token_ids must be a list of ints or a buffer of 32- or 64-bit integers")
+    })?;
+    items.map(|item| token_id(&item?)).collect()
+}
+
+/// Whether `buffer` holds elements of type `T`.
+fn fits<T: Element>(buffer: &PyUntypedBuffer, format: &std::ffi::CStr) -> bool {
+    buffer.item_size() == std::mem::size_of::<T>() && T::is_compatible_format(format)
+}
+
+/// A list through CPython's own loop (`array('I', list)`), then its buffer.
+fn list_by_array(list: &Bound<'_, PyList>) -> PyResult<Vec<u32>> {
+    let py = list.py();
+    static ARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let array = ARRAY.get_or_try_init(py, || py.import("array")?.getattr("array").map(Bound::unbind))?;
+    let unsigned = array
+        .bind(py)
+        .call1(("I", list))
+        .map_err(|e| DprouterError::new_err(format!("token_ids must hold ints in 0..2^32 ({e})")))?;
+    PyBuffer::<u32>::get(&unsigned)?.to_vec(py)
+}
+
+/// An integer type token ids come in, besides `u32`.
+trait WideId: Element + Copy + Default + std::fmt::Display {
+    /// The bits above the low 32 (all set for a negative value): 0 for an id in 0..2^32.
+    fn high(self) -> u64;
+    fn low(self) -> u32;
+}
+
+macro_rules! wide_id {
+    ($($t:ty),*) => {$(
+        impl WideId for $t {
+            fn high(self) -> u64 {
+                (self as i64 as u64) >> 32
+            }
+            fn low(self) -> u32 {
+                self as u32
+            }
+        }
+    )*};
+}
+wide_id!(i64, i32);
+
+impl WideId for u64 {
+    fn high(self) -> u64 {
+        self >> 32
+    }
+    fn low(self) -> u32 {
+        self as u32
+    }
+}
+
+/// The ids in `buffer`, copied out of its memory into `scratch` and checked, with loops that vectorize.
+fn convert<T: WideId>(py: Python<'_>, buffer: &PyBuffer<T>, out: &mut Vec<u32>, scratch: &mut Vec<T>) -> PyResult<()> {
+    // Resized, not cleared: the copy overwrites every element, so only new ones are filled.
+    scratch.resize(buffer.item_count(), T::default());
+    buffer.copy_to_slice(py, scratch)?;
+    if scratch.iter().fold(0, |high, &t| high | t.high()) != 0 {
+        let bad = scratch.iter().find(|t| t.high() != 0).copied().unwrap_or_default();
+        return Err(DprouterError::new_err(format!("token id {bad} is not in 0..2^32")));
+    }
+    out.extend(scratch.iter().map(|&t| t.low()));
+    Ok(())
+}
+
+fn token_id(item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    item.extract::<u32>().or_else(|_| match item.extract::<i64>() {
+        Ok(value) => {
+            u32::try_from(value).map_err(|_| DprouterError::new_err(format!("token id {value} is not in 0..2^32")))
+        }
+        Err(_) => Err(DprouterError::new_err("token_ids must hold ints")),
+    })
+}
