@@ -10,7 +10,8 @@
 //! measurable by `dprouter overhead` (`docs/operations.md`, "Memory under large bodies"). An operator's own
 //! `MIMALLOC_PURGE_DELAY` is kept.
 //!
-//! This is the workspace's one `unsafe` call (`tests/layers.rs` checks that it stays the only one).
+//! One of the workspace's two places allowed `unsafe` code (`tests/layers.rs` keeps it so; the other reads Python
+//! lists in place, `crates/python/src/small_ints.rs`).
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

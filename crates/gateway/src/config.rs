@@ -173,7 +173,8 @@ pub struct GatewayConfig {
     pub tokenizers: std::collections::BTreeMap<String, std::path::PathBuf>,
     /// The most of a text or chat prompt (its rendering, bytes) tokenized for its key: a longer one is keyed on
     /// the tokens of about its first this many bytes (`dprouter_tokenize_cut_total` counts them). Tokenizing costs
-    /// about 200 bytes of memory per byte, so this bounds a request's cost (256 KiB: some 60,000 tokens, 50 MB).
+    /// about 200 bytes of memory and 0.3 to 0.5 µs of CPU per byte, so this bounds a request's cost (128 KiB: some
+    /// 30,000 to 45,000 tokens, 25 MB, 40 to 75 ms; `cargo bench -p dprouter-tokenize -- chat_20MB`).
     pub tokenize_max_bytes: usize,
     /// Model names clients may use for another, served one (`"gpt-4o" = "smollm2"`): the request is routed to the
     /// workers serving the served name, which the worker gets in the body.
@@ -213,7 +214,7 @@ impl Default for GatewayConfig {
             model_aliases: Default::default(),
             tokenizer: None,
             tokenizers: Default::default(),
-            tokenize_max_bytes: 256 << 10,
+            tokenize_max_bytes: 128 << 10,
             retries: 2,
             connect_timeout_ms: 2000,
             upstream_ca_file: None,
