@@ -72,7 +72,7 @@ fn fake_engine(body: Value) -> String {
 }
 
 /// A web page cannot use the admin routes through its visitor's browser: a `text/plain` POST (a CORS "simple"
-/// request, sent without a preflight) is a 415, a request with a foreign `Origin` a 403 with or without the key,
+/// request, sent without a preflight) is a 415 naming the type (a 401 first, without the key of a keyed gateway), a request with a foreign `Origin` a 403 with or without the key,
 /// and without a key a request addressed to a name that is not loopback (DNS rebinding) a 403; the gateway's own
 /// origin, loopback names, and keyed admin through any host name keep working.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,7 +98,7 @@ async fn admin_routes_refuse_what_a_web_page_can_send() {
             (
                 vec![("content-type", "text/plain".into())],
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "application/json",
+                "unsupported content type `text/plain`: send application/json",
             ),
             (
                 vec![
@@ -124,6 +124,19 @@ async fn admin_routes_refuse_what_a_web_page_can_send() {
                 "{}",
                 reply.text
             );
+        }
+        // Access is checked before the content type: without the key, a keyed gateway answers 401 whatever the body.
+        if auth.is_some() {
+            for path in ["/workers", "/flush_cache"] {
+                let reply = post(
+                    &c,
+                    &format!("{}{path}", gw.url),
+                    &[("content-type", "text/plain")],
+                    &worker,
+                )
+                .await;
+                assert_eq!(reply.status, StatusCode::UNAUTHORIZED, "{path}: {}", reply.text);
+            }
         }
         // A GET with a foreign Origin too (a page reading the fleet).
         let headers = with_auth(vec![("origin", "https://evil.example".into())]);
@@ -235,6 +248,22 @@ async fn post_workers_validates_its_input() {
             "no user, path or query",
         ),
         (json!({"url": format!("{spare_url}/v1")}), "no user, path or query"),
+        (
+            json!({"url": "http://127.0.0.1:0", "dp_size": 1}),
+            "port must be a number from 1 to 65535",
+        ),
+        (
+            json!({"url": "http://127.0.0.1:99999", "dp_size": 1}),
+            "port must be a number from 1 to 65535",
+        ),
+        (
+            json!({"url": format!("http://0.0.0.0:{spare}"), "dp_size": 1}),
+            "no address to connect to",
+        ),
+        (
+            json!({"url": format!("http://[::]:{spare}"), "dp_size": 1}),
+            "no address to connect to",
+        ),
         (json!({"url": spare_url, "kv_events": "127.0.0.1:5557"}), "kv_events"),
         (
             json!({"url": spare_url, "kv_events_replay": "tcp://127.0.0.1:5558"}),
@@ -255,7 +284,15 @@ async fn post_workers_validates_its_input() {
     assert_eq!(listed["workers"].as_array().unwrap().len(), 1, "{listed}");
 
     // The same URL twice, however it is spelled, is a conflict.
-    for url in [a.url.clone(), format!("{}/", a.url), format!("{}//", a.url)] {
+    let port = common::port_of(&a.url);
+    for url in [
+        a.url.clone(),
+        format!("{}/", a.url),
+        format!("{}//", a.url),
+        format!("http://127.1:{port}"),
+        format!("http://2130706433:{port}"),
+        format!("http://[::ffff:127.0.0.1]:{port}"),
+    ] {
         let reply = post(&c, &workers, &[], &json!({"url": url, "backend": "vllm", "dp_size": 2})).await;
         assert_eq!(reply.status, StatusCode::CONFLICT, "{url}: {}", reply.text);
         assert_eq!(reply.json["error"]["type"], "conflict_error");

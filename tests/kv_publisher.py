@@ -98,12 +98,14 @@ class Publisher:
         self.replay = ctx.socket(zmq.ROUTER)
         for s in (self.pub, self.replay):
             s.setsockopt(zmq.LINGER, 0)
+        # The replay socket first: a subscriber that sees the publisher asks it for a replay at once, and a replay
+        # refused because its socket was not bound yet left a restart unnoticed (an engine binds both at start).
+        self.replay_port = self.bind(self.replay, replay_port)
         if connect:
             self.pub.connect(connect)
             self.pub_port = int(connect.rsplit(":", 1)[1])
         else:
             self.pub_port = self.bind(self.pub, pub_port)
-        self.replay_port = self.bind(self.replay, replay_port)
         self.buffer = []
         self.seq = 0
 

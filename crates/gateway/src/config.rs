@@ -54,6 +54,10 @@ impl Default for HealthConfig {
     }
 }
 
+/// The longest duration a setting in milliseconds takes: 7 days. Longer is a mistake (a deadline that never comes,
+/// and a clock sum that overflows), refused with the rest of an invalid config.
+pub const MAX_MS: u64 = 7 * 24 * 3600 * 1000;
+
 /// Polling SGLang's `/get_load` into the load table.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(default, deny_unknown_fields)]
@@ -328,6 +332,28 @@ impl GatewayConfig {
             ));
         }
         self.server.validate()?;
+        let s = &self.server;
+        for (field, value) in [
+            ("health.interval_ms", h.interval_ms),
+            ("health.timeout_ms", h.timeout_ms),
+            ("health.base_ejection_ms", h.base_ejection_ms),
+            ("health.max_ejection_ms", h.max_ejection_ms),
+            ("load.poll_interval_ms", self.load.poll_interval_ms),
+            ("server.header_read_timeout_ms", s.header_read_timeout_ms),
+            ("server.request_body_timeout_ms", s.request_body_timeout_ms),
+            ("server.idle_timeout_ms", s.idle_timeout_ms),
+            ("server.drain_timeout_ms", s.drain_timeout_ms),
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("first_byte_timeout_ms", self.first_byte_timeout_ms),
+            ("stream_idle_timeout_ms", self.stream_idle_timeout_ms),
+            ("upstream_idle_timeout_ms", self.upstream_idle_timeout_ms),
+        ] {
+            if value > MAX_MS {
+                return Err(ConfigError::Invalid(format!(
+                    "{field} is {value}: at most {MAX_MS} (7 days)"
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -467,6 +493,44 @@ mod tests {
             ("[[workers]]\nurl = \"http://user:pw@x:1\"", "no user, path or query"),
             ("[[workers]]\nurl = \"http://x:1/v1\"", "no user, path or query"),
             ("[[workers]]\nurl = \"http://x:1/?a=b\"", "no user, path or query"),
+            (
+                "[[workers]]\nurl = \"http://x:0\"",
+                "port must be a number from 1 to 65535",
+            ),
+            (
+                "[[workers]]\nurl = \"http://x:99999\"",
+                "port must be a number from 1 to 65535",
+            ),
+            (
+                "[[workers]]\nurl = \"http://[::1]:70000\"",
+                "port must be a number from 1 to 65535",
+            ),
+            (
+                "[[workers]]\nurl = \"http://0.0.0.0:8000\"",
+                "0.0.0.0 is no address to connect to",
+            ),
+            (
+                "[[workers]]\nurl = \"http://0:8000\"",
+                "0.0.0.0 is no address to connect to",
+            ),
+            (
+                "[[workers]]\nurl = \"http://[::]:8000\"",
+                "[::] is no address to connect to",
+            ),
+            (
+                "[[workers]]\nurl = \"http://127.0.0.1:8000\"\n[[workers]]\nurl = \"http://127.1:8000\"",
+                "listed twice",
+            ),
+            (
+                "first_byte_timeout_ms = 9223372036854775807",
+                "first_byte_timeout_ms is 9223372036854775807: at most",
+            ),
+            (
+                "[server]\ndrain_timeout_ms = 604800001",
+                "server.drain_timeout_ms is 604800001: at most 604800000",
+            ),
+            ("[health]\nmax_ejection_ms = 1000000000000", "health.max_ejection_ms"),
+            ("[load]\npoll_interval_ms = 1000000000000", "load.poll_interval_ms"),
         ] {
             let err = GatewayConfig::from_toml(text).unwrap_err().to_string();
             assert!(err.contains(needle), "{text}: {err}");
@@ -510,6 +574,24 @@ mod tests {
         ] {
             assert_eq!(worker_url_key(a), worker_url_key(b), "{a} {b}");
         }
+        // One address however it is spelled (E8 of issue 36: seven spellings were seven workers).
+        for spelling in [
+            "http://127.1:8000",
+            "http://2130706433:8000",
+            "http://0x7f000001:8000",
+            "http://0177.0.0.1:8000",
+            "http://127.0.0.1.:8000",
+            "http://[::ffff:127.0.0.1]:8000",
+            "http://[::FFFF:7f00:1]:8000/",
+        ] {
+            assert_eq!(worker_url_key(spelling), "http://127.0.0.1:8000", "{spelling}");
+        }
+        assert_eq!(worker_url_key("http://[0:0::1]:1"), "http://[::1]:1");
+        assert_eq!(worker_url_key("http://Engine.Example.:1"), "http://engine.example:1");
+        // Names that only look numeric in part stay names; out-of-range numbers are not addresses.
+        assert_eq!(worker_url_key("http://1.2.3.x:1"), "http://1.2.3.x:1");
+        assert_eq!(worker_url_key("http://256.1.1.1:1"), "http://256.1.1.1:1");
+        assert_eq!(worker_url_key("http://localhost:1"), "http://localhost:1");
         assert_ne!(worker_url_key("http://h:443"), worker_url_key("https://h:443"));
         assert_ne!(worker_url_key("http://h:1"), worker_url_key("http://h:2"));
         assert_ne!(worker_url_key("http://h:1/a"), worker_url_key("http://h:1/b"));

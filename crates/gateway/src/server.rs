@@ -255,7 +255,7 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
 }
 
 /// Middleware of the admin routes: [`admin_from_a_browser`], then [`admin_access`] with the connection's peer
-/// address.
+/// address, then [`admin_json_post`].
 async fn require_admin_key(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -266,13 +266,15 @@ async fn require_admin_key(
         .extensions()
         .get::<axum::extract::ConnectInfo<std::net::SocketAddr>>()
         .map(|info| info.0);
-    let allowed = admin_from_a_browser(request.method(), &headers, state.config.admin_key.is_some()).and_then(|()| {
-        admin_access(
-            state.config.admin_key.as_deref(),
-            peer,
-            headers.get(header::AUTHORIZATION),
-        )
-    });
+    let allowed = admin_from_a_browser(&headers, state.config.admin_key.is_some())
+        .and_then(|()| {
+            admin_access(
+                state.config.admin_key.as_deref(),
+                peer,
+                headers.get(header::AUTHORIZATION),
+            )
+        })
+        .and_then(|()| admin_json_post(request.method(), &headers));
     match allowed {
         Ok(()) => next.run(request).await,
         Err(e) => {
@@ -315,12 +317,11 @@ fn admin_access(
 /// rebinding), since a page's `fetch()` reaches loopback too:
 /// - a request whose `Origin` is not the gateway's own (the `Host` it was sent to) is refused (403), with or
 ///   without a key: browsers send `Origin` on every cross-origin request and on same-origin POSTs;
-/// - a POST must be `Content-Type: application/json` (415 otherwise), which a page can send cross-origin only
-///   after a CORS preflight (as any DELETE), and CORS never approves the admin routes;
+/// - a POST must be `Content-Type: application/json` ([`admin_json_post`], after the access check);
 /// - without a key, where access rests on the peer being loopback, the `Host` must be a loopback name or address
 ///   (`localhost`, `127.0.0.0/8`, `[::1]`; 403 otherwise): a page whose own name was made to resolve to 127.0.0.1
 ///   sends its own name. With a key, any host name works.
-fn admin_from_a_browser(method: &axum::http::Method, headers: &HeaderMap, keyed: bool) -> Result<(), ApiError> {
+fn admin_from_a_browser(headers: &HeaderMap, keyed: bool) -> Result<(), ApiError> {
     let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
     if let Some(origin) = headers.get(header::ORIGIN) {
         let own = origin
@@ -334,18 +335,6 @@ fn admin_from_a_browser(method: &axum::http::Method, headers: &HeaderMap, keyed:
             ));
         }
     }
-    if *method == axum::http::Method::POST {
-        let json = headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.split(';').next())
-            .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"));
-        if !json {
-            return Err(ApiError::UnsupportedMediaType(
-                "admin routes that change the fleet take Content-Type: application/json only".into(),
-            ));
-        }
-    }
     if !keyed && host.is_some_and(|h| !loopback_host(h)) {
         return Err(ApiError::Forbidden(
             "without an admin key, admin routes answer only requests addressed to a loopback name or address \
@@ -354,6 +343,25 @@ fn admin_from_a_browser(method: &axum::http::Method, headers: &HeaderMap, keyed:
         ));
     }
     Ok(())
+}
+
+/// A POST to the admin routes must be `Content-Type: application/json` (415 otherwise, naming the type sent), which
+/// a web page can send cross-origin only after a CORS preflight, and CORS never approves the admin routes. Checked
+/// after the caller's access, so that an unauthenticated client learns nothing but 401 or 403.
+fn admin_json_post(method: &axum::http::Method, headers: &HeaderMap) -> Result<(), ApiError> {
+    if *method != axum::http::Method::POST {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("(not text)"));
+    let media = given.and_then(|v| v.split(';').next()).map(str::trim);
+    if media.is_some_and(|m| m.eq_ignore_ascii_case("application/json")) {
+        return Ok(());
+    }
+    Err(ApiError::UnsupportedMediaType(
+        given.unwrap_or("(none)").chars().take(100).collect(),
+    ))
 }
 
 /// Whether a `Host` header names the loopback interface: `localhost` or a loopback address, with or without a port.

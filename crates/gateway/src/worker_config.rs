@@ -178,19 +178,77 @@ pub enum ConfigError {
 /// rank is an endpoint with its own load counters, so an absurd count must not allocate.
 pub const MAX_DP_SIZE: u32 = 1024;
 
-/// The form in which two worker URLs are compared: scheme and host lowercase, the port explicit, no trailing
-/// slash.
+/// The form in which two worker URLs are compared: scheme lowercase, the host in its one spelling
+/// ([`canonical_host`]), the port explicit, no trailing slash.
 pub fn worker_url_key(url: &str) -> String {
     match url.trim().parse::<hyper::Uri>() {
         Ok(uri) if uri.host().is_some() => {
             let scheme = uri.scheme_str().unwrap_or("http").to_ascii_lowercase();
-            let host = uri.host().unwrap_or_default().to_ascii_lowercase();
+            let host = canonical_host(uri.host().unwrap_or_default());
             let port = uri.port_u16().unwrap_or(if scheme == "https" { 443 } else { 80 });
             let path = uri.path().trim_end_matches('/');
             let query = uri.query().map(|q| format!("?{q}")).unwrap_or_default();
             format!("{scheme}://{host}:{port}{path}{query}")
         }
         _ => url.trim().trim_end_matches('/').to_string(),
+    }
+}
+
+/// A worker's host in one spelling: an IPv4 address in any form a resolver reads as one (`127.1`, `2130706433`,
+/// `0x7f000001`, `0177.0.0.1`: the WHATWG URL standard's IPv4 forms, which `getaddrinfo` also takes) as its dotted
+/// quad; an IPv6 address in its standard form, bracketed (an IPv4-mapped one as the IPv4 address); a name in
+/// lowercase without a trailing dot. A name stays a name: `localhost` is not resolved to compare it.
+pub fn canonical_host(host: &str) -> String {
+    let bare = host.strip_prefix('[').and_then(|h| h.strip_suffix(']'));
+    if let Some(v6) = bare.and_then(|h| h.parse::<std::net::Ipv6Addr>().ok()) {
+        return match std::net::IpAddr::V6(v6).to_canonical() {
+            std::net::IpAddr::V4(v4) => v4.to_string(),
+            std::net::IpAddr::V6(v6) => format!("[{v6}]"),
+        };
+    }
+    match ipv4_in_any_form(host) {
+        Some(v4) => v4.to_string(),
+        None => host.trim_end_matches('.').to_ascii_lowercase(),
+    }
+}
+
+/// `host` as an IPv4 address in the WHATWG URL standard's forms: one to four parts separated by dots (a trailing
+/// dot allowed), each decimal, hexadecimal (`0x`) or octal (a leading `0`), the last filling the bytes the others
+/// leave; `None` when it is not all numbers or out of range.
+fn ipv4_in_any_form(host: &str) -> Option<std::net::Ipv4Addr> {
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let mut numbers = Vec::with_capacity(4);
+    for part in host.split('.') {
+        let (digits, radix) = match part.get(..2) {
+            Some("0x" | "0X") => (&part[2..], 16),
+            _ if part.len() > 1 && part.starts_with('0') => (&part[1..], 8),
+            _ => (part, 10),
+        };
+        if part.is_empty() || !digits.chars().all(|c| c.is_digit(radix)) || numbers.len() == 4 {
+            return None;
+        }
+        numbers.push(if digits.is_empty() {
+            0
+        } else {
+            u64::from_str_radix(digits, radix).ok()?
+        });
+    }
+    let (&last, leading) = numbers.split_last()?;
+    if leading.iter().any(|&n| n > 255) || last >= 1u64 << (8 * (4 - leading.len())) {
+        return None;
+    }
+    let value = leading
+        .iter()
+        .enumerate()
+        .fold(last, |value, (i, &n)| value | n << (8 * (3 - i)));
+    u32::try_from(value).ok().map(std::net::Ipv4Addr::from)
+}
+
+/// The port written in a URL's authority, if any (`host:port`, `[v6]:port`).
+fn written_port(authority: &str) -> Option<&str> {
+    match authority.strip_prefix('[') {
+        Some(rest) => rest.split_once("]:").map(|(_, port)| port),
+        None => authority.rsplit_once(':').map(|(_, port)| port),
     }
 }
 
@@ -208,6 +266,24 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
     if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() || has_user_info || has_path {
         return Err(ConfigError::Invalid(format!(
             "worker url `{}` must be http://host:port or https://host:port (no user, path or query)",
+            w.url
+        )));
+    }
+    let authority = uri.authority().map(|a| a.as_str()).unwrap_or_default();
+    if written_port(authority).is_some_and(|port| !port.parse::<u16>().is_ok_and(|p| p > 0)) {
+        return Err(ConfigError::Invalid(format!(
+            "worker url `{}`: the port must be a number from 1 to 65535",
+            w.url
+        )));
+    }
+    let host = canonical_host(uri.host().unwrap_or_default());
+    let address = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<std::net::IpAddr>();
+    if address.is_ok_and(|ip| ip.is_unspecified()) {
+        return Err(ConfigError::Invalid(format!(
+            "worker url `{}`: {host} is no address to connect to (it means every interface of a listener)",
             w.url
         )));
     }
