@@ -38,32 +38,25 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     // One buffer request, its element type told by its format (a failed typed request costs an exception).
     if let Ok(buffer) = PyUntypedBuffer::get(obj) {
         let format = buffer.format();
-        let ids = fits::<u32>(&buffer, format)
-            || fits::<i64>(&buffer, format)
-            || fits::<i32>(&buffer, format)
-            || fits::<u64>(&buffer, format);
-        // An empty array's memory may be a one-byte placeholder, not aligned for its type: nothing to read there.
-        if ids && buffer.item_count() == 0 {
-            return Ok(out);
-        }
-        if fits::<u32>(&buffer, format) {
-            let buffer = buffer.as_typed::<u32>()?;
-            out.resize(buffer.item_count(), 0);
-            buffer.copy_to_slice(py, &mut out)?;
-            return Ok(out);
-        }
-        if fits::<i64>(&buffer, format) {
+        let kind = [Kind::U32, Kind::I64, Kind::I32, Kind::U64]
+            .into_iter()
+            .find(|kind| kind.fits(&buffer, format));
+        match kind {
+            // An empty array's memory may be a one-byte placeholder, not aligned for its type: nothing to read.
+            Some(_) if buffer.item_count() == 0 => return Ok(out),
+            Some(Kind::U32) => {
+                let buffer = buffer.as_typed::<u32>()?;
+                out.resize(buffer.item_count(), 0);
+                buffer.copy_to_slice(py, &mut out)?;
+                return Ok(out);
+            }
             // `array('q')`, SGLang's form, through a scratch vector kept by the thread.
-            let buffer = buffer.as_typed::<i64>()?;
-            SCRATCH.with_borrow_mut(|scratch| convert(py, buffer, &mut out, scratch))?;
-            return Ok(out);
+            Some(Kind::I64) => SCRATCH.with_borrow_mut(|scratch| convert(py, buffer.as_typed()?, &mut out, scratch))?,
+            Some(Kind::I32) => convert::<i32>(py, buffer.as_typed()?, &mut out, &mut Vec::new())?,
+            Some(Kind::U64) => convert::<u64>(py, buffer.as_typed()?, &mut out, &mut Vec::new())?,
+            None => {}
         }
-        if fits::<i32>(&buffer, format) {
-            convert(py, buffer.as_typed::<i32>()?, &mut out, &mut Vec::new())?;
-            return Ok(out);
-        }
-        if fits::<u64>(&buffer, format) {
-            convert(py, buffer.as_typed::<u64>()?, &mut out, &mut Vec::new())?;
+        if kind.is_some() {
             return Ok(out);
         }
     }
@@ -73,9 +66,28 @@ pub fn read(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     items.map(|item| token_id(&item?)).collect()
 }
 
-/// Whether `buffer` holds elements of type `T`.
-fn fits<T: Element>(buffer: &PyUntypedBuffer, format: &std::ffi::CStr) -> bool {
-    buffer.item_size() == std::mem::size_of::<T>() && T::is_compatible_format(format)
+/// The integer types a buffer of token ids may hold.
+#[derive(Debug, Clone, Copy)]
+enum Kind {
+    U32,
+    I64,
+    I32,
+    U64,
+}
+
+impl Kind {
+    /// Whether `buffer`, of `format`, holds elements of this type.
+    fn fits(self, buffer: &PyUntypedBuffer, format: &std::ffi::CStr) -> bool {
+        fn of<T: Element>(buffer: &PyUntypedBuffer, format: &std::ffi::CStr) -> bool {
+            buffer.item_size() == std::mem::size_of::<T>() && T::is_compatible_format(format)
+        }
+        match self {
+            Kind::U32 => of::<u32>(buffer, format),
+            Kind::I64 => of::<i64>(buffer, format),
+            Kind::I32 => of::<i32>(buffer, format),
+            Kind::U64 => of::<u64>(buffer, format),
+        }
+    }
 }
 
 /// A list through CPython's own loop (`array('I', list)`), then its buffer.
