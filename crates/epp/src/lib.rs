@@ -30,6 +30,14 @@ pub use picker::Picker;
 /// the ext_proc service (Envoy's health check of the picker's cluster) and the reference chart's name.
 pub const READY_NAMES: [&str; 4] = ["", "readiness", SERVICE_NAME, "inference-extension"];
 
+/// The largest ext_proc message the picker reads: a body chunk of up to 4 MiB (or `max_body_bytes`, if less),
+/// and room for the rest of the message. A streamed body comes in chunks of what the data plane has read (Envoy:
+/// at most its buffer limit, 1 MiB by default), so only a `BUFFERED` body over 4 MiB is refused
+/// (`RESOURCE_EXHAUSTED`). The limit bounds what one stream holds before the body budget sees it.
+pub fn max_message_bytes(max_body_bytes: usize) -> usize {
+    max_body_bytes.min(4 << 20) + (64 << 10)
+}
+
 /// How the picker answers beyond what the gateway's config says.
 #[derive(Debug, Clone, Default)]
 pub struct Options {
@@ -80,7 +88,7 @@ pub async fn run(
     };
     let drain = Duration::from_millis(state.config.server.drain_timeout_ms);
     let picker = ExternalProcessorServer::new(Picker::new(Arc::clone(&state), options.fallbacks))
-        .max_decoding_message_size(state.config.max_body_bytes.saturating_add(1 << 20));
+        .max_decoding_message_size(max_message_bytes(state.config.max_body_bytes));
     let mut grpc_stopped = stopped.clone();
     let server = tonic::transport::Server::builder()
         .add_service(health_service)

@@ -1,8 +1,14 @@
 //! The ext_proc service: one gRPC stream per HTTP request the data plane proxies, handled in order (request headers,
 //! body, trailers; response headers, body, trailers; `FULL_DUPLEX_STREAMED` bodies).
 //!
-//! The request's headers are held until its body has ended (bounded in size and time as `serve` bounds bodies);
-//! then the request is routed exactly as `serve` routes it ([`dprouter_gateway::routing::route`]: the same
+//! The stream is a strict state machine ([`Phase`]): request headers first (a path `serve` does not serve gets
+//! `serve`'s 404 or 405), then the body, then the response; anything out of turn or undecodable ends the stream
+//! with `INVALID_ARGUMENT`, a message over [`crate::max_message_bytes`] with `RESOURCE_EXHAUSTED`, and each phase
+//! has a deadline (`DEADLINE_EXCEEDED`, or the client's 408 for a body too slow). A response whose headers do not
+//! come within `first_byte_timeout_ms` counts against its endpoint as in `serve`, and its load is released.
+//!
+//! The request's headers are held until its body has ended (bounded in size and time as `serve` bounds bodies,
+//! and its bytes in the budget of all bodies arriving at once, `max_buffered_body_bytes`); then the request is routed exactly as `serve` routes it ([`dprouter_gateway::routing::route`]: the same
 //! parser, prompt keys, model checks, policies and ticket), and the replies go out in the order Envoy needs: the
 //! headers' (destination, rank header, cleared route cache), then the body as the chosen endpoint must get it (the
 //! client's rank overrides out, SGLang's `routed_dp_rank` in) in chunks, then the trailers'. The response streams
@@ -20,13 +26,14 @@ use dprouter_gateway::access::Exchange;
 use dprouter_gateway::body::Feedback;
 use dprouter_gateway::registry::{Failure, Membership, Target};
 use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
-use dprouter_gateway::{ApiError, AppState};
+use dprouter_gateway::body_budget::Held;
+use dprouter_gateway::{proxy, server, ApiError, AppState};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tonic::{Status, Streaming};
+use tonic::{Code, Status, Streaming};
 
 use crate::protocol::{self, Allowed};
 
@@ -95,185 +102,308 @@ struct Sent {
 /// The data plane has gone away (the stream is closed): nothing more to do.
 struct Gone;
 
+/// A request whose headers have arrived and whose body is arriving.
+struct Arriving {
+    headers: Vec<(String, Vec<u8>)>,
+    subset: Option<Vec<Allowed>>,
+    body: Vec<u8>,
+    /// The body's bytes in the budget of all bodies arriving at once.
+    held: Held,
+}
+
+/// Where a stream is. Each phase has a deadline: the request's headers `header_read_timeout_ms` after the stream
+/// opened, its body `request_body_timeout_ms` after its headers, the response's headers `first_byte_timeout_ms`
+/// after the body went out, and each later message `stream_idle_timeout_ms` after the one before.
+enum Phase {
+    /// Waiting for the request's headers: nothing else may come first.
+    Open,
+    /// The headers are in; the body arrives (held until it ends, then routed).
+    Body(Arriving),
+    /// Routed; the response's headers are awaited (the request's load is on the endpoint).
+    Sent(Sent),
+    /// The response streams back through the feedback (`None`: a request without a ticket).
+    Response(Option<Feedback>),
+}
+
+/// How a stream ends early.
+enum End {
+    /// The data plane has gone: nothing to answer.
+    Gone,
+    /// The client gets this answer (an immediate response), then the stream ends.
+    Answer(ApiError),
+    /// The stream ends with this gRPC status: the data plane broke the protocol or a deadline passed.
+    Grpc(Status),
+}
+
+impl From<Gone> for End {
+    fn from(_: Gone) -> Self {
+        End::Gone
+    }
+}
+
+impl From<Refused> for End {
+    fn from(refused: Refused) -> Self {
+        match refused {
+            Refused::Gone => End::Gone,
+            Refused::Api(err) => End::Answer(err),
+        }
+    }
+}
+
+/// A message out of turn: the stream ends with `INVALID_ARGUMENT`.
+fn out_of_turn(what: &str, phase: &str) -> End {
+    End::Grpc(Status::invalid_argument(format!("ext_proc: {what} {phase}")))
+}
+
+/// What a message is, for errors.
+fn kind(message: &Message) -> &'static str {
+    match message {
+        Message::RequestHeaders(_) => "request headers",
+        Message::RequestBody(_) => "a request body",
+        Message::RequestTrailers(_) => "request trailers",
+        Message::ResponseHeaders(_) => "response headers",
+        Message::ResponseBody(_) => "a response body",
+        Message::ResponseTrailers(_) => "response trailers",
+    }
+}
+
 impl Stream {
     async fn send(&self, reply: ProcessingResponse) -> Result<(), Gone> {
         self.tx.send(Ok(reply)).await.map_err(|_| Gone)
     }
 
-    /// Answers the client with `err` (the data plane sends it) and ends the exchange.
-    async fn refuse(&self, err: &ApiError) {
-        tracing::debug!(status = err.status().as_u16(), error = %err, "refused");
-        let _ = self.send(protocol::immediate(err.status().as_u16(), &err.body())).await;
+    async fn run(self, incoming: Streaming<ProcessingRequest>) {
+        match self.exchange(incoming).await {
+            Ok(()) | Err(End::Gone) => {}
+            Err(End::Answer(err)) => {
+                tracing::debug!(status = err.status().as_u16(), error = %err, "refused");
+                let _ = self.send(protocol::immediate(err.status().as_u16(), &err.body())).await;
+            }
+            Err(End::Grpc(status)) => {
+                tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream ended");
+                let _ = self.tx.send(Err(status)).await;
+            }
+        }
     }
 
-    async fn run(self, mut incoming: Streaming<ProcessingRequest>) {
+    /// The stream's messages in order, phase by phase, until the data plane closes it (`Ok`) or it ends early.
+    async fn exchange(&self, mut incoming: Streaming<ProcessingRequest>) -> Result<(), End> {
         let state = Arc::clone(&self.picker.state);
-        let limit = state.config.max_body_bytes;
-        let body_timeout = Duration::from_millis(state.config.server.request_body_timeout_ms);
-        let mut headers: Vec<(String, Vec<u8>)> = Vec::new();
-        let mut subset: Option<Vec<Allowed>> = None;
-        let mut body: Vec<u8> = Vec::new();
+        let config = &state.config;
+        let ms = Duration::from_millis;
+        let mut phase = Phase::Open;
+        let mut deadline = Instant::now() + ms(config.server.header_read_timeout_ms);
+        // When the request's headers arrived (its time to first token counts from there).
         let mut received = Instant::now();
-        let mut sent: Option<Sent> = None;
-        let mut feedback: Option<Feedback> = None;
+        let mut first_byte = ms(config.first_byte_timeout_ms);
         loop {
-            // Until the request is routed, its body must arrive in time.
-            let next = if sent.is_none() && !headers.is_empty() {
-                match tokio::time::timeout_at((received + body_timeout).into(), incoming.message()).await {
-                    Ok(next) => next,
-                    Err(_) => {
-                        let after_ms = body_timeout.as_millis() as u64;
-                        return self.refuse(&ApiError::BodyTimeout { after_ms }).await;
-                    }
-                }
-            } else {
-                incoming.message().await
-            };
-            let message = match next {
-                Ok(Some(message)) => message,
-                // The data plane closed the stream or broke it: whatever is held (the ticket) is dropped.
-                Ok(None) | Err(_) => return,
+            let message = match tokio::time::timeout_at(deadline.into(), incoming.message()).await {
+                Ok(Ok(Some(message))) => message,
+                // The data plane closed the stream: whatever is held (the ticket) is dropped.
+                Ok(Ok(None)) => return Ok(()),
+                Ok(Err(status)) => return Err(undecodable(status)),
+                Err(_) => return Err(self.expired(phase, config)),
             };
             let metadata = message.metadata_context.as_ref();
-            let outcome = match message.request {
-                Some(Message::RequestHeaders(h)) => {
+            let Some(request) = message.request else {
+                return Err(End::Grpc(Status::invalid_argument("ext_proc: a message with no request")));
+            };
+            phase = match (phase, request) {
+                (Phase::Open, Message::RequestHeaders(h)) => {
                     received = Instant::now();
-                    headers = protocol::headers(h.headers.as_ref());
-                    subset = protocol::subset_hint(metadata);
-                    if !h.end_of_stream {
-                        continue;
-                    }
-                    self.route(&headers, subset.as_deref(), None, false).await
-                }
-                Some(Message::RequestBody(b)) => {
-                    if sent.is_some() {
-                        // Not expected once the body ended; passed on unchanged.
-                        self.send(protocol::body_chunk(true, Bytes::from(b.body), b.end_of_stream))
-                            .await
-                            .map(|()| None)
-                            .map_err(Refused::from)
+                    let headers = protocol::headers(h.headers.as_ref());
+                    let (Some(method), Some(path)) =
+                        (protocol::header(&headers, ":method"), protocol::header(&headers, ":path"))
+                    else {
+                        return Err(End::Grpc(Status::invalid_argument(
+                            "ext_proc: request headers without :method or :path",
+                        )));
+                    };
+                    server::public_route(method, path).map_err(End::Answer)?;
+                    first_byte = proxy::first_byte_timeout(&state, &header_map(&headers)).map_err(End::Answer)?;
+                    let arriving = Arriving {
+                        subset: protocol::subset_hint(metadata),
+                        headers,
+                        body: Vec::new(),
+                        held: state.bodies.hold(),
+                    };
+                    if h.end_of_stream {
+                        let sent = self.route(arriving, false).await?;
+                        deadline = Instant::now() + first_byte;
+                        Phase::Sent(sent)
                     } else {
-                        if body.len() + b.body.len() > limit {
-                            return self.refuse(&ApiError::TooLarge { limit }).await;
-                        }
-                        body.extend_from_slice(&b.body);
-                        if !b.end_of_stream {
-                            continue;
-                        }
-                        let bytes = Bytes::from(std::mem::take(&mut body));
-                        self.route(&headers, subset.as_deref(), Some(bytes), false).await
+                        deadline = received + ms(config.server.request_body_timeout_ms);
+                        Phase::Body(arriving)
                     }
                 }
-                Some(Message::RequestTrailers(_)) => {
+                (Phase::Open, other) => return Err(out_of_turn(kind(&other), "before the request headers")),
+                (Phase::Body(mut arriving), Message::RequestBody(b)) => {
+                    let limit = config.max_body_bytes;
+                    if arriving.body.len() + b.body.len() > limit {
+                        return Err(End::Answer(ApiError::TooLarge { limit }));
+                    }
+                    arriving.held.grow(b.body.len()).map_err(End::Answer)?;
+                    if arriving.body.is_empty() && b.end_of_stream {
+                        arriving.body = b.body;
+                    } else {
+                        arriving.body.extend_from_slice(&b.body);
+                    }
+                    if b.end_of_stream {
+                        let sent = self.route(arriving, false).await?;
+                        deadline = Instant::now() + first_byte;
+                        Phase::Sent(sent)
+                    } else {
+                        Phase::Body(arriving)
+                    }
+                }
+                (Phase::Body(arriving), Message::RequestTrailers(_)) => {
                     // Trailers end a body that did not say it ended.
-                    let routed = if sent.is_none() {
-                        let bytes = Bytes::from(std::mem::take(&mut body));
-                        self.route(&headers, subset.as_deref(), Some(bytes), true).await
-                    } else {
-                        Ok(None)
-                    };
-                    match routed {
-                        Ok(new) => self
-                            .send(protocol::trailers_reply(true))
-                            .await
-                            .map(|()| new)
-                            .map_err(Refused::from),
-                        Err(e) => Err(e),
-                    }
+                    let sent = self.route(arriving, true).await?;
+                    self.send(protocol::trailers_reply(true)).await?;
+                    deadline = Instant::now() + first_byte;
+                    Phase::Sent(sent)
                 }
-                Some(Message::ResponseHeaders(h)) => {
+                (Phase::Body(_), other) => return Err(out_of_turn(kind(&other), "while the request body arrives")),
+                // Not expected once the body ended; passed on unchanged.
+                (phase @ (Phase::Sent(_) | Phase::Response(_)), Message::RequestBody(b)) => {
+                    self.send(protocol::body_chunk(true, b.body, b.end_of_stream)).await?;
+                    phase
+                }
+                (phase @ (Phase::Sent(_) | Phase::Response(_)), Message::RequestTrailers(_)) => {
+                    self.send(protocol::trailers_reply(true)).await?;
+                    phase
+                }
+                (Phase::Sent(mut sent), Message::ResponseHeaders(h)) => {
                     let response_headers = protocol::headers(h.headers.as_ref());
-                    let reply = match sent.as_mut() {
-                        Some(sent) => {
-                            let (reply, fed) = self.response_headers(sent, &response_headers, metadata, received);
-                            feedback = fed;
-                            reply
-                        }
-                        None => protocol::response_headers_reply(Vec::new()),
-                    };
+                    let (reply, mut feedback) = self.response_headers(&mut sent, &response_headers, metadata, received);
                     if h.end_of_stream {
                         if let Some(f) = feedback.as_mut() {
                             f.finish();
                         }
                     }
-                    self.send(reply).await.map(|()| None).map_err(Refused::from)
+                    self.send(reply).await?;
+                    deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
+                    Phase::Response(feedback)
                 }
-                Some(Message::ResponseBody(b)) => {
+                (Phase::Response(_), Message::ResponseHeaders(_)) => {
+                    return Err(out_of_turn("response headers", "twice"))
+                }
+                // A response body or trailers with no headers before them (the data plane does not send response
+                // headers): passed on; the request's feedback is lost.
+                (Phase::Sent(_), Message::ResponseBody(b)) => {
+                    self.send(protocol::body_chunk(false, b.body, b.end_of_stream)).await?;
+                    deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
+                    Phase::Response(None)
+                }
+                (Phase::Response(mut feedback), Message::ResponseBody(b)) => {
                     if let Some(f) = feedback.as_mut() {
                         f.on_data(&b.body);
                         if b.end_of_stream {
                             f.finish();
                         }
                     }
-                    self.send(protocol::body_chunk(false, Bytes::from(b.body), b.end_of_stream))
-                        .await
-                        .map(|()| None)
-                        .map_err(Refused::from)
+                    self.send(protocol::body_chunk(false, b.body, b.end_of_stream)).await?;
+                    deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
+                    Phase::Response(feedback)
                 }
-                Some(Message::ResponseTrailers(_)) => {
-                    if let Some(f) = feedback.as_mut() {
-                        f.finish();
-                    }
-                    self.send(protocol::trailers_reply(false))
-                        .await
-                        .map(|()| None)
-                        .map_err(Refused::from)
+                (Phase::Sent(_) | Phase::Response(_), Message::ResponseTrailers(_)) => {
+                    self.send(protocol::trailers_reply(false)).await?;
+                    deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
+                    // Trailers end the response: its feedback finishes as it is dropped.
+                    Phase::Response(None)
                 }
-                None => Ok(None),
+                (Phase::Sent(_), Message::RequestHeaders(_)) | (Phase::Response(_), Message::RequestHeaders(_)) => {
+                    return Err(out_of_turn("request headers", "twice"))
+                }
             };
-            match outcome {
-                Ok(Some(new)) => sent = Some(new),
-                Ok(None) => {}
-                Err(Refused::Gone) => return,
-                Err(Refused::Api(err)) => return self.refuse(&err).await,
-            }
         }
     }
 
-    /// Routes the request whose headers and body (`None`: it has none) arrived, and sends the replies to its
-    /// headers and body (`trailers`: trailers follow, the body's last chunk does not end the stream).
-    async fn route(
-        &self,
-        headers: &[(String, Vec<u8>)],
-        subset: Option<&[Allowed]>,
-        body: Option<Bytes>,
-        trailers: bool,
-    ) -> Result<Option<Sent>, Refused> {
+    /// The phase's deadline passed: how the stream ends.
+    fn expired(&self, phase: Phase, config: &dprouter_gateway::GatewayConfig) -> End {
+        match phase {
+            Phase::Open => End::Grpc(Status::deadline_exceeded(format!(
+                "ext_proc: no request headers within header_read_timeout_ms ({})",
+                config.server.header_read_timeout_ms
+            ))),
+            Phase::Body(_) => End::Answer(ApiError::BodyTimeout {
+                after_ms: config.server.request_body_timeout_ms,
+            }),
+            Phase::Sent(sent) => {
+                // As `serve` when an engine says nothing in time: the endpoint failed this request, whose load is
+                // released as its ticket is dropped here.
+                let label = sent.target.label();
+                tracing::warn!(endpoint = %label, "no response headers within first_byte_timeout_ms");
+                if let Some(routed) = &sent.routed {
+                    let failure = Failure::engine(routed.ticket.pick.branch);
+                    self.picker.state.registry.record_failure(sent.target.id, failure, Instant::now());
+                }
+                End::Grpc(Status::deadline_exceeded(format!(
+                    "ext_proc: no response headers from {label} within first_byte_timeout_ms"
+                )))
+            }
+            Phase::Response(_) => End::Grpc(Status::deadline_exceeded(format!(
+                "ext_proc: the response went stream_idle_timeout_ms ({}) without a message",
+                config.stream_idle_timeout_ms
+            ))),
+        }
+    }
+
+    /// Routes the request whose headers and body have arrived and sends the replies to its headers and body
+    /// (`trailers`: trailers follow, the body's last chunk does not end the stream). A request of a method that
+    /// takes no body (a GET) goes to the least loaded endpoint allowed, with no ticket (there is no prompt to learn
+    /// from); its body, if it had one, goes on unchanged.
+    async fn route(&self, arriving: Arriving, trailers: bool) -> Result<Sent, Refused> {
+        let Arriving {
+            headers,
+            subset,
+            body,
+            held,
+        } = arriving;
         let state = &self.picker.state;
-        let path = protocol::header(headers, ":path").unwrap_or("/").to_string();
-        let header_map = header_map(headers);
+        let path = protocol::header(&headers, ":path").unwrap_or("/").to_string();
+        let takes_body = protocol::header(&headers, ":method") == Some("POST");
+        let header_map = header_map(&headers);
+        let subset = subset.as_deref();
         let allowed = |t: &Target| address(t).is_some_and(|a| subset.is_none_or(|s| s.iter().any(|x| x.contains(a))));
         if subset.is_some_and(<[Allowed]>::is_empty) {
             return Err(Refused::Api(ApiError::Unavailable(
                 "the data plane's subset hint allows no endpoint".into(),
             )));
         }
-        let Some(bytes) = body else {
-            // No body (a GET): the least loaded endpoint allowed, no ticket (there is no prompt to learn from).
+        let body = Bytes::from(body);
+        // The body is routed (or refused) now: it no longer counts as arriving.
+        drop(held);
+        if !takes_body {
             let membership = state.registry.membership();
             let rank = least_loaded(&membership, &allowed).ok_or(Refused::Api(ApiError::Route(
                 dprouter_core::RouteError::NoHealthyEndpoint,
             )))?;
             let target = membership.targets[rank].clone();
             let address = address(&target).ok_or(Refused::Gone)?;
-            let (set, remove) = rank_headers(&target, None, headers);
+            let (set, remove) = rank_headers(&target, None, &headers);
             self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
                 .await?;
-            return Ok(Some(Sent {
+            if !body.is_empty() {
+                for chunk in protocol::request_body_chunks(vec![body], trailers) {
+                    self.send(chunk).await?;
+                }
+            }
+            return Ok(Sent {
                 routed: None,
                 address,
                 target,
-            }));
-        };
+            });
+        }
         routing::check_content_type(&header_map).map_err(Refused::Api)?;
-        let routed = routing::route(state, &path, &header_map, bytes, &allowed)
+        let routed = routing::route(state, &path, &header_map, body, &allowed)
             .await
             .map_err(Refused::Api)?;
         let target = routed.target().clone();
         let address = address(&target).ok_or(Refused::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);
         let length: usize = pieces.iter().map(Bytes::len).sum();
-        let (mut set, remove) = rank_headers(&target, rank_header.map(|(_, r)| r), headers);
+        let (mut set, remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
         set.push(protocol::set_header("content-length", length.to_string()));
         let destination = self.destination(&routed, &target, address, &allowed);
         self.send(protocol::request_headers_reply(&destination, set, remove))
@@ -281,11 +411,11 @@ impl Stream {
         for chunk in protocol::request_body_chunks(pieces, trailers) {
             self.send(chunk).await?;
         }
-        Ok(Some(Sent {
+        Ok(Sent {
             routed: Some(routed),
             address,
             target,
-        }))
+        })
     }
 
     /// The destination header's value: the chosen endpoint, then fallbacks where no rank is injected (a rank
@@ -393,6 +523,16 @@ impl Stream {
             // The endpoint that served is not routable now: the request's feedback is lost, its load released.
             Err(e) => tracing::debug!(%served, error = %e, "the served endpoint cannot take the ticket"),
         }
+    }
+}
+
+/// An error reading the stream: a message the picker cannot decode is the data plane's fault
+/// (`INVALID_ARGUMENT`), one over the size limit `RESOURCE_EXHAUSTED`; a broken stream is gone.
+fn undecodable(status: Status) -> End {
+    match status.code() {
+        Code::OutOfRange | Code::ResourceExhausted => End::Grpc(Status::resource_exhausted(status.message())),
+        Code::Internal => End::Grpc(Status::invalid_argument(status.message())),
+        _ => End::Gone,
     }
 }
 

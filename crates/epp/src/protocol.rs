@@ -186,12 +186,12 @@ pub fn response_headers_reply(set: Vec<HeaderValueOption>) -> ProcessingResponse
 }
 
 /// One streamed body chunk, of the request (`request`) or of the response.
-pub fn body_chunk(request: bool, body: Bytes, end_of_stream: bool) -> ProcessingResponse {
+pub fn body_chunk(request: bool, body: impl Into<Vec<u8>>, end_of_stream: bool) -> ProcessingResponse {
     let reply = BodyResponse {
         response: Some(CommonResponse {
             body_mutation: Some(BodyMutation {
                 mutation: Some(body_mutation::Mutation::StreamedResponse(StreamedBodyResponse {
-                    body: body.to_vec(),
+                    body: body.into(),
                     end_of_stream,
                     ..Default::default()
                 })),
@@ -211,31 +211,28 @@ pub fn body_chunk(request: bool, body: Bytes, end_of_stream: bool) -> Processing
 }
 
 /// A body as streamed chunks of at most [`BODY_CHUNK_BYTES`], the last one ending the stream unless `trailers`
-/// follow. An empty body is one empty chunk.
-pub fn request_body_chunks(pieces: Vec<Bytes>, trailers: bool) -> Vec<ProcessingResponse> {
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut current: Vec<u8> = Vec::new();
-    for piece in pieces {
-        let mut piece = &piece[..];
-        while !piece.is_empty() {
-            let room = BODY_CHUNK_BYTES - current.len();
-            let take = room.min(piece.len());
-            current.extend_from_slice(&piece[..take]);
-            piece = &piece[take..];
-            if current.len() == BODY_CHUNK_BYTES {
-                chunks.push(Bytes::from(std::mem::take(&mut current)));
+/// follow. An empty body is one empty chunk. Each chunk is copied out when it is asked for, so a body is not
+/// held twice while it goes out.
+pub fn request_body_chunks(pieces: Vec<Bytes>, trailers: bool) -> impl Iterator<Item = ProcessingResponse> {
+    let total: usize = pieces.iter().map(Bytes::len).sum();
+    let count = total.div_ceil(BODY_CHUNK_BYTES).max(1);
+    let mut pieces = pieces.into_iter();
+    let mut current = Bytes::new();
+    (0..count).map(move |i| {
+        let size = (total - i * BODY_CHUNK_BYTES).min(BODY_CHUNK_BYTES);
+        let mut chunk = Vec::with_capacity(size);
+        while chunk.len() < size {
+            if current.is_empty() {
+                match pieces.next() {
+                    Some(piece) => current = piece,
+                    None => break,
+                }
             }
+            let take = (size - chunk.len()).min(current.len());
+            chunk.extend_from_slice(&current.split_to(take));
         }
-    }
-    if !current.is_empty() || chunks.is_empty() {
-        chunks.push(Bytes::from(current));
-    }
-    let last = chunks.len() - 1;
-    chunks
-        .into_iter()
-        .enumerate()
-        .map(|(i, chunk)| body_chunk(true, chunk, i == last && !trailers))
-        .collect()
+        body_chunk(true, chunk, i + 1 == count && !trailers)
+    })
 }
 
 /// The reply to trailers (unchanged), of the request (`request`) or the response.
@@ -386,14 +383,13 @@ mod tests {
             Bytes::from_static(b"{}"),
             Bytes::from(vec![b'b'; 30_000]),
         ];
-        let chunks: Vec<_> = request_body_chunks(pieces, false).iter().map(chunk_of).collect();
+        let chunks: Vec<_> = request_body_chunks(pieces, false).map(|c| chunk_of(&c)).collect();
         assert_eq!(chunks, [(62_000, false), (62_000, false), (6_002, true)]);
         let chunks: Vec<_> = request_body_chunks(vec![Bytes::from(vec![0; 62_000])], true)
-            .iter()
-            .map(chunk_of)
+            .map(|c| chunk_of(&c))
             .collect();
         assert_eq!(chunks, [(62_000, false)], "trailers follow: no chunk ends the stream");
-        let chunks: Vec<_> = request_body_chunks(Vec::new(), false).iter().map(chunk_of).collect();
+        let chunks: Vec<_> = request_body_chunks(Vec::new(), false).map(|c| chunk_of(&c)).collect();
         assert_eq!(chunks, [(0, true)]);
     }
 

@@ -159,6 +159,9 @@ pub struct GatewayConfig {
     pub server: ServerConfig,
     /// Largest accepted request body, bytes (default 64 MiB: a 200k-token prompt as `input_ids` is ~1.5 MB).
     pub max_body_bytes: usize,
+    /// Request body bytes held across all requests while they arrive (default 512 MiB, at least
+    /// `max_body_bytes`): a body that would take the sum past it is refused with a 503 at once.
+    pub max_buffered_body_bytes: usize,
     /// When set, admin routes require `Authorization: Bearer <key>` from every client; unset, they answer only
     /// loopback clients (403 to the others). Must not be empty.
     pub admin_key: Option<String>,
@@ -212,6 +215,7 @@ impl Default for GatewayConfig {
             load: LoadConfig::default(),
             server: ServerConfig::default(),
             max_body_bytes: 64 << 20,
+            max_buffered_body_bytes: 512 << 20,
             admin_key: None,
             allow_client_overrides: true,
             session_header: None,
@@ -274,6 +278,13 @@ impl GatewayConfig {
         }
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Invalid("max_body_bytes must be at least 1".into()));
+        }
+        if self.max_buffered_body_bytes < self.max_body_bytes {
+            return Err(ConfigError::Invalid(format!(
+                "max_buffered_body_bytes ({}) must be at least max_body_bytes ({}): the budget of all bodies \
+                 arriving at once must hold one",
+                self.max_buffered_body_bytes, self.max_body_bytes
+            )));
         }
         if self.tokenize_max_bytes == 0 {
             return Err(ConfigError::Invalid("tokenize_max_bytes must be at least 1".into()));

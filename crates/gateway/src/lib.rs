@@ -28,6 +28,7 @@
 
 pub mod access;
 pub mod body;
+pub mod body_budget;
 pub mod clock;
 pub mod config;
 pub mod discovery;

@@ -65,8 +65,10 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
     }
     // One buffer, grown by doubling as bytes arrive but never past the declared length: the body is held once
     // (not in frames and then in a copy), and a client only makes the gateway allocate what it actually sends.
+    // Its capacity is held in the budget of all bodies arriving at once (`body_budget`) until it is routed.
     let collect = async {
         let mut buf: Vec<u8> = Vec::new();
+        let mut held = state.bodies.hold();
         while let Some(frame) = body.frame().await {
             let frame = frame.map_err(|e| ApiError::BadRequest(format!("could not read the request body: {e}")))?;
             if let Ok(data) = frame.into_data() {
@@ -79,6 +81,11 @@ async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<
                 if needed > buf.capacity() {
                     let grown = needed.max(2 * buf.capacity()).max(16 << 10);
                     let target = declared.map_or(grown, |d| grown.min(d).max(needed)).min(limit);
+                    if let Err(full) = held.grow(target - held.bytes()) {
+                        drop(buf);
+                        discard(&mut body).await;
+                        return Err(full);
+                    }
                     buf.reserve_exact(target - buf.len());
                 }
                 buf.extend_from_slice(&data);
@@ -239,7 +246,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
 pub const FIRST_BYTE_TIMEOUT_HEADER: &str = "x-dprouter-first-byte-timeout-ms";
 
 /// How long to wait for the engine's response head: the configured bound, or less if the client asks.
-fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration, ApiError> {
+pub fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration, ApiError> {
     let configured = state.config.first_byte_timeout_ms;
     let asked = match headers.get(FIRST_BYTE_TIMEOUT_HEADER) {
         None => configured,

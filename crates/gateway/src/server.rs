@@ -33,22 +33,73 @@ fn is_admin_path(path: &str) -> bool {
         .any(|p| path == *p || path.strip_prefix(p).is_some_and(|rest| rest.starts_with('/')))
 }
 
+/// The paths whose requests the policy routes (POST, with a prompt); a client given the base URL without `/v1`
+/// (llama.cpp serves both) gets the same, sent on with `/v1`.
+pub const GENERATE_PATHS: [&str; 8] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/v1/embeddings",
+    "/chat/completions",
+    "/completions",
+    "/responses",
+    "/generate",
+];
+
+/// The other public routes that reach an engine or the gateway's own answer (`{id}`: any one path segment), with
+/// their methods (GET includes HEAD).
+const OTHER_PUBLIC_ROUTES: [(&str, &[&str]); 5] = [
+    ("/v1/responses/{id}", &["GET", "DELETE"]),
+    ("/v1/responses/{id}/cancel", &["POST"]),
+    ("/v1/responses/{id}/input_items", &["GET"]),
+    ("/v1/models", &["GET"]),
+    ("/models", &["GET"]),
+];
+
+/// Whether the gateway's public router serves `method` on `path` (a query string is ignored): `Ok`, or the
+/// gateway's answer for a path it does not serve (404) or a method the path does not take (405). The Endpoint
+/// Picker answers requests the data plane hands it as `serve` would.
+pub fn public_route(method: &str, path: &str) -> Result<(), ApiError> {
+    let path = path.split(['?', '#']).next().unwrap_or_default();
+    let methods: &[&str] = if GENERATE_PATHS.contains(&path) {
+        &["POST"]
+    } else {
+        match OTHER_PUBLIC_ROUTES.iter().find(|(pattern, _)| path_matches(pattern, path)) {
+            Some((_, methods)) => methods,
+            None => return Err(ApiError::NotFound("no such route".into())),
+        }
+    };
+    let head_of_get = method == "HEAD" && methods.contains(&"GET");
+    if methods.contains(&method) || head_of_get {
+        Ok(())
+    } else {
+        Err(ApiError::MethodNotAllowed(method.to_string()))
+    }
+}
+
+/// `path` matched against a route's `pattern`, whose `{…}` segments match any one segment (an empty one too, as
+/// the router's do).
+fn path_matches(pattern: &str, path: &str) -> bool {
+    let mut given = path.split('/');
+    for wanted in pattern.split('/') {
+        match given.next() {
+            Some(segment) if wanted.starts_with('{') || segment == wanted => {}
+            _ => return false,
+        }
+    }
+    given.next().is_none()
+}
+
 /// Every route of the gateway.
 pub fn router(state: Arc<AppState>) -> Router {
-    let data = Router::new()
-        .route("/v1/chat/completions", post(proxy::generate))
-        .route("/v1/completions", post(proxy::generate))
-        .route("/v1/responses", post(proxy::generate))
-        .route("/v1/embeddings", post(proxy::generate))
-        // A client given the base URL without `/v1` (llama.cpp serves both): the same, sent on with `/v1`.
-        .route("/chat/completions", post(proxy::generate))
-        .route("/completions", post(proxy::generate))
-        .route("/responses", post(proxy::generate))
-        .route("/generate", post(proxy::generate))
+    let data = GENERATE_PATHS
+        .iter()
+        .fold(Router::new(), |router, path| router.route(path, post(proxy::generate)))
         .route_layer(middleware::from_fn_with_state(
             InFlightLimit::new(state.config.server.max_in_flight),
             listener::limit_in_flight,
         ))
+        // As `OTHER_PUBLIC_ROUTES` lists them.
         .route("/v1/responses/{id}", get(responses::stored).delete(responses::stored))
         .route("/v1/responses/{id}/cancel", post(responses::stored))
         .route("/v1/responses/{id}/input_items", get(responses::stored))
@@ -642,6 +693,49 @@ mod tests {
     use super::*;
     use axum::http::HeaderValue;
     use std::net::SocketAddr;
+
+    /// `public_route` answers as the router does: for every route in its tables, their methods, others, and
+    /// paths near them.
+    #[tokio::test]
+    async fn public_route_answers_as_the_router_does() {
+        use hyper::service::Service as _;
+        let state = AppState::new(crate::GatewayConfig::default()).await.unwrap();
+        let router = hyper_util::service::TowerToHyperService::new(router(state));
+        let mut paths: Vec<String> = GENERATE_PATHS.iter().map(|p| p.to_string()).collect();
+        paths.extend(OTHER_PUBLIC_ROUTES.iter().map(|(p, _)| p.replace("{id}", "resp_1")));
+        for path in paths.clone() {
+            paths.extend([format!("{path}/x"), format!("{path}?q=1"), format!("/x{path}")]);
+        }
+        paths.extend(["/", "/v1", "/v1/responses//cancel", "/v1/models/", "/nope"].map(String::from));
+        let mut served = 0;
+        for path in &paths {
+            // HEAD is GET's (its answer has no body to tell a route's 404 from the fallback's).
+            let status = |m| public_route(m, path).map_err(|e| e.status());
+            assert_eq!(status("HEAD"), status("GET"), "{path}");
+            for method in ["GET", "POST", "DELETE", "PUT"] {
+                let request = axum::http::Request::builder()
+                    .method(method)
+                    .uri(path.as_str())
+                    .header("content-type", "application/json")
+                    .body(axum::body::Body::from("{}"))
+                    .unwrap();
+                let answer = router.call(request).await.unwrap();
+                let status = answer.status().as_u16();
+                let body = axum::body::to_bytes(answer.into_body(), 1 << 20).await.unwrap();
+                let unrouted = status == 405 || String::from_utf8_lossy(&body).contains("no such route");
+                let expected = match public_route(method, path) {
+                    Ok(()) => {
+                        served += 1;
+                        None
+                    }
+                    Err(e) => Some(e.status().as_u16()),
+                };
+                let got = unrouted.then_some(status);
+                assert_eq!(got, expected, "{method} {path}: the router answered {status}");
+            }
+        }
+        assert!(served >= 14, "{served}");
+    }
 
     fn peer(addr: &str) -> Option<SocketAddr> {
         Some(addr.parse().unwrap())
