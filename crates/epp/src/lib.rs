@@ -16,8 +16,8 @@ pub mod protocol;
 
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
 
+use dprouter_gateway::listener::{self, Protocol};
 use dprouter_gateway::server::{control_router, Background};
 use dprouter_gateway::AppState;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessorServer, SERVICE_NAME};
@@ -74,28 +74,32 @@ pub async fn run(
         })
     };
     let (stopping, stopped) = tokio::sync::watch::channel(false);
+    let stop = |mut stopped: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = stopped.wait_for(|s| *s).await;
+    };
     let http_side = {
         let config = state.config.server.clone();
         let deadline = state.drain_deadline.clone();
         let router = control_router(Arc::clone(&state));
-        let mut stopped = stopped.clone();
-        tokio::spawn(async move {
-            let stop = async move {
-                let _ = stopped.wait_for(|s| *s).await;
-            };
-            dprouter_gateway::listener::run(http, router, &config, None, &deadline, stop).await
-        })
+        let stop = stop(stopped.clone());
+        tokio::spawn(async move { listener::run(http, Protocol::Http1, router, &config, None, &deadline, stop).await })
     };
-    let drain = Duration::from_millis(state.config.server.drain_timeout_ms);
     let picker = ExternalProcessorServer::new(Picker::new(Arc::clone(&state), options.fallbacks))
         .max_decoding_message_size(max_message_bytes(state.config.max_body_bytes));
-    let mut grpc_stopped = stopped.clone();
-    let server = tonic::transport::Server::builder()
-        .add_service(health_service)
+    // The gateway's listener, in HTTP/2: its connection cap, idle timeout, accept back-off and drain.
+    let grpc_router = tonic::service::Routes::new(health_service)
         .add_service(picker)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(grpc), async move {
-            let _ = grpc_stopped.wait_for(|s| *s).await;
-        });
+        .into_axum_router();
+    let config = state.config.server.clone();
+    let server = listener::run(
+        grpc,
+        Protocol::Http2,
+        grpc_router,
+        &config,
+        None,
+        &state.drain_deadline,
+        stop(stopped),
+    );
     let mut server = std::pin::pin!(server);
     let served = tokio::select! {
         served = &mut server => served,
@@ -106,13 +110,13 @@ pub async fn run(
                 health.set_service_status(name, ServingStatus::NotServing).await;
             }
             let _ = stopping.send(true);
-            // Streams in flight finish within the drain timeout.
-            tokio::time::timeout(drain, &mut server).await.unwrap_or(Ok(()))
+            // Streams in flight finish within the drain timeout (the listener's drain).
+            server.await
         }
     };
     let _ = stopping.send(true);
     let http_served = http_side.await.unwrap_or(Ok(()));
     background.stop().await;
-    served.map_err(std::io::Error::other)?;
+    served?;
     http_served
 }

@@ -24,9 +24,9 @@ use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
 use dprouter_gateway::access::Exchange;
 use dprouter_gateway::body::Feedback;
+use dprouter_gateway::body_budget::Held;
 use dprouter_gateway::registry::{Failure, Membership, Target};
 use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
-use dprouter_gateway::body_budget::Held;
 use dprouter_gateway::{proxy, server, ApiError, AppState};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
@@ -206,15 +206,18 @@ impl Stream {
             };
             let metadata = message.metadata_context.as_ref();
             let Some(request) = message.request else {
-                return Err(End::Grpc(Status::invalid_argument("ext_proc: a message with no request")));
+                return Err(End::Grpc(Status::invalid_argument(
+                    "ext_proc: a message with no request",
+                )));
             };
             phase = match (phase, request) {
                 (Phase::Open, Message::RequestHeaders(h)) => {
                     received = Instant::now();
                     let headers = protocol::headers(h.headers.as_ref());
-                    let (Some(method), Some(path)) =
-                        (protocol::header(&headers, ":method"), protocol::header(&headers, ":path"))
-                    else {
+                    let (Some(method), Some(path)) = (
+                        protocol::header(&headers, ":method"),
+                        protocol::header(&headers, ":path"),
+                    ) else {
                         return Err(End::Grpc(Status::invalid_argument(
                             "ext_proc: request headers without :method or :path",
                         )));
@@ -336,7 +339,10 @@ impl Stream {
                 tracing::warn!(endpoint = %label, "no response headers within first_byte_timeout_ms");
                 if let Some(routed) = &sent.routed {
                     let failure = Failure::engine(routed.ticket.pick.branch);
-                    self.picker.state.registry.record_failure(sent.target.id, failure, Instant::now());
+                    self.picker
+                        .state
+                        .registry
+                        .record_failure(sent.target.id, failure, Instant::now());
                 }
                 End::Grpc(Status::deadline_exceeded(format!(
                     "ext_proc: no response headers from {label} within first_byte_timeout_ms"

@@ -40,7 +40,13 @@ async fn picker(tune: impl FnOnce(&mut GatewayConfig)) -> Picker {
     let address = format!("http://{}", grpc.local_addr().unwrap());
     let state = AppState::new(config).await.unwrap();
     let options = dprouter_epp::Options { fallbacks: 0 };
-    tokio::spawn(dprouter_epp::run(grpc, http, Arc::clone(&state), options, std::future::pending()));
+    tokio::spawn(dprouter_epp::run(
+        grpc,
+        http,
+        Arc::clone(&state),
+        options,
+        std::future::pending(),
+    ));
     Picker { address, state }
 }
 
@@ -265,19 +271,22 @@ async fn each_phase_has_a_deadline() {
 
 /// Raw gRPC over HTTP/2, for messages Envoy's client cannot send: the stream's end status.
 async fn raw(address: &str, frame: Vec<u8>) -> (String, String) {
-    let tcp = tokio::net::TcpStream::connect(address.trim_start_matches("http://")).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(address.trim_start_matches("http://"))
+        .await
+        .unwrap();
     let (mut client, connection) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(connection);
-    let request = axum::http::Request::post(format!(
-        "{address}/envoy.service.ext_proc.v3.ExternalProcessor/Process"
-    ))
-    .header("content-type", "application/grpc")
-    .header("te", "trailers")
-    .body(())
-    .unwrap();
+    let request = axum::http::Request::post(format!("{address}/envoy.service.ext_proc.v3.ExternalProcessor/Process"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
     let (response, mut send) = client.send_request(request, false).unwrap();
     send.send_data(frame.into(), false).unwrap();
-    let response = tokio::time::timeout(Duration::from_secs(10), response).await.unwrap().unwrap();
+    let response = tokio::time::timeout(Duration::from_secs(10), response)
+        .await
+        .unwrap()
+        .unwrap();
     let mut body = response.into_body();
     while let Some(data) = body.data().await {
         drop(data);
@@ -306,4 +315,44 @@ async fn undecodable_and_oversized_messages_are_errors_not_ok() {
     frame.extend_from_slice(&too_long.to_be_bytes());
     let (status, message) = raw(&p.address, frame).await;
     assert_eq!(status, (Code::ResourceExhausted as i32).to_string(), "{message}");
+}
+
+/// The gRPC port is the gateway's listener in HTTP/2: a connection that opens no stream (the preface and
+/// SETTINGS, then nothing) is told to go away (GOAWAY) and closed at the idle timeout, not kept forever.
+#[tokio::test]
+async fn idle_connections_are_closed_at_the_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let p = picker(|c| c.server.idle_timeout_ms = 300).await;
+    let started = std::time::Instant::now();
+    let mut connections = Vec::new();
+    for _ in 0..20 {
+        let mut tcp = tokio::net::TcpStream::connect(p.address.trim_start_matches("http://"))
+            .await
+            .unwrap();
+        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        connections.push(tcp);
+    }
+    for mut tcp in connections {
+        let mut read = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut read))
+            .await
+            .expect("closed within 5 s")
+            .unwrap();
+        // The frames the picker sent: a 9-byte head (length, type, flags, stream), then the payload.
+        let mut types = Vec::new();
+        let mut rest = &read[..];
+        while rest.len() >= 9 {
+            let length = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            types.push(rest[3]);
+            rest = &rest[(9 + length).min(rest.len())..];
+        }
+        assert!(types.contains(&0x7), "a GOAWAY before the close: frame types {types:?}");
+    }
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "{:?}",
+        started.elapsed()
+    );
 }

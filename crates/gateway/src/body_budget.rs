@@ -91,7 +91,10 @@ mod tests {
         a.grow(60).unwrap();
         let refused = b.grow(41).unwrap_err();
         assert_eq!(refused.status().as_u16(), 503);
-        assert!(refused.to_string().contains("max_buffered_body_bytes = 100"), "{refused}");
+        assert!(
+            refused.to_string().contains("max_buffered_body_bytes = 100"),
+            "{refused}"
+        );
         assert_eq!((b.bytes(), budget.used()), (0, 60), "a refusal takes nothing");
         b.grow(40).unwrap();
         assert_eq!(budget.used(), 100);

@@ -37,6 +37,7 @@ pub mod dns;
 pub mod drain_deadline;
 pub mod error;
 pub mod health;
+pub mod in_flight;
 pub mod kubernetes;
 pub mod kv_events;
 pub mod listener;

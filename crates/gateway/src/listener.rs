@@ -1,6 +1,8 @@
-//! The gateway's HTTP/1 server: the accept loop, per-connection timeouts, the connection and in-flight limits, and
-//! the drain on shutdown (`[server]` in the config; why each default is what it is: `docs/operations.md`,
-//! "Timeouts and limits").
+//! The gateway's server, HTTP/1 (`serve`, control routes) or HTTP/2 (the Endpoint Picker's gRPC port): the accept
+//! loop, per-connection timeouts, the connection limit, and the drain on shutdown (`[server]` in the config; why
+//! each default is what it is: `docs/operations.md`, "Timeouts and limits"). With HTTP/2 a connection is idle while
+//! no stream is open, has no head timeout (bytes between streams are PINGs and SETTINGS), gets keepalive PINGs, and
+//! is sent a GOAWAY when it is closed.
 //!
 //! Per connection, one task serves it with hyper and watches it: a connection with no request in flight is closed
 //! `idle_timeout` after its last response (or after it was accepted), and one whose request head started arriving
@@ -29,16 +31,12 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::Body;
-use axum::extract::{ConnectInfo, Request, State};
-use axum::http::{header, HeaderValue};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
+use axum::extract::ConnectInfo;
+use axum::response::Response;
 use axum::Router;
-use bytes::Bytes;
-use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
-use hyper::server::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -47,7 +45,7 @@ use tokio::time::Instant;
 
 use crate::config::ServerConfig;
 use crate::drain_deadline::DrainDeadline;
-use crate::error::ApiError;
+use crate::in_flight::WithGuard;
 use crate::parse_errors::JsonParseErrors;
 
 /// Under pressure (no free connection slot, or no file descriptor), connections idle at least this long are
@@ -65,6 +63,12 @@ const CLOSE_GRACE: Duration = Duration::from_secs(1);
 const CUT_WRITE: Duration = Duration::from_millis(100);
 /// File descriptors the gateway needs besides client and upstream connections (logs, the runtime, health probes).
 const FD_RESERVE: u64 = 64;
+/// HTTP/2: a PING this often on a connection (a peer that has gone, with streams open, is found within
+/// [`H2_KEEPALIVE`] + [`H2_KEEPALIVE_TIMEOUT`]); the connection closes if its answer takes longer than the timeout.
+const H2_KEEPALIVE: Duration = Duration::from_secs(30);
+const H2_KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(20);
+/// HTTP/2: streams open at once on one connection (a data plane needing more opens another connection).
+const H2_MAX_STREAMS: u32 = 1024;
 /// `EMFILE` and `ENFILE` (the same numbers on Linux and the BSDs).
 const OUT_OF_FDS: [i32; 2] = [24, 23];
 
@@ -78,7 +82,17 @@ enum Phase {
     Closing,
 }
 
+/// What a listener speaks: HTTP/1 (`serve`, the control routes) or HTTP/2 (gRPC: the Endpoint Picker).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Http1,
+    /// HTTP/2 with prior knowledge (gRPC): keepalive PINGs, at most [`H2_MAX_STREAMS`] streams per connection.
+    /// A connection is idle while no stream is open; idle, draining or under pressure, it is sent a GOAWAY.
+    Http2,
+}
+
 struct Shared {
+    protocol: Protocol,
     header_read_timeout: Duration,
     idle_timeout: Duration,
     /// Notified when new clients are kept waiting: idle connections close.
@@ -87,10 +101,11 @@ struct Shared {
     tls: Option<tokio_rustls::TlsAcceptor>,
 }
 
-/// Serves `router` on `listener` (over TLS with `tls`) until `shutdown` completes, then drains (see the module
-/// documentation).
+/// Serves `router` on `listener` in `protocol` (over TLS with `tls`) until `shutdown` completes, then drains (see
+/// the module documentation).
 pub async fn run(
     listener: TcpListener,
+    protocol: Protocol,
     router: Router,
     config: &ServerConfig,
     tls: Option<tokio_rustls::TlsAcceptor>,
@@ -99,6 +114,7 @@ pub async fn run(
 ) -> io::Result<()> {
     warn_if_short_of_fds(config);
     let shared = Arc::new(Shared {
+        protocol,
         header_read_timeout: Duration::from_millis(config.header_read_timeout_ms),
         idle_timeout: Duration::from_millis(config.idle_timeout_ms),
         pressure: Notify::new(),
@@ -223,70 +239,132 @@ async fn serve_stream<S>(
     peer: SocketAddr,
     router: Router,
     shared: Arc<Shared>,
-    mut phase: watch::Receiver<Phase>,
+    phase: watch::Receiver<Phase>,
     _slot: OwnedSemaphorePermit,
 ) where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
-    let activity = Arc::new(Activity::new());
-    let io = TokioIo::new(JsonParseErrors::new(Watched {
+    // With HTTP/2, bytes between requests are PINGs and SETTINGS, not a request head arriving.
+    let activity = Arc::new(Activity::new(shared.protocol == Protocol::Http1));
+    let watched = Watched {
         inner: stream,
         activity: Arc::clone(&activity),
-    }));
+    };
     let service = ConnService {
         inner: TowerToHyperService::new(router),
         peer,
         activity: Arc::clone(&activity),
     };
-    let mut builder = http1::Builder::new();
-    // hyper's own limits sit above the gateway's (`names::MAX_HEADERS`, `MAX_HEADER_BYTES`, `MAX_URI_BYTES`), so
-    // the gateway answers an oversized head itself; heads past these get hyper's answer, in JSON too
-    // ([`JsonParseErrors`]).
-    builder
-        .keep_alive(true)
-        .header_read_timeout(None)
-        .max_headers(4 * crate::names::MAX_HEADERS)
-        .max_buf_size(256 << 10);
-    let mut conn = std::pin::pin!(builder.serve_connection(io, service));
-    loop {
-        let deadline = activity.deadline(&shared);
-        let changed = activity.changed.notified();
-        let pressure = shared.pressure.notified();
-        tokio::select! {
-            result = conn.as_mut() => {
-                if let Err(e) = result {
-                    tracing::debug!(%peer, error = %e, "connection ended with an error");
-                }
-                return;
-            }
-            () = tokio::time::sleep_until(deadline) => {
-                if let Some(reason) = activity.expired(&shared, Instant::now()) {
-                    tracing::debug!(%peer, reason, "closing the connection");
+    let watch = Watch {
+        peer,
+        activity,
+        shared,
+        phase,
+    };
+    match watch.shared.protocol {
+        Protocol::Http1 => {
+            let mut builder = http1::Builder::new();
+            // hyper's own limits sit above the gateway's (`names::MAX_HEADERS`, `MAX_HEADER_BYTES`,
+            // `MAX_URI_BYTES`), so the gateway answers an oversized head itself; heads past these get hyper's
+            // answer, in JSON too ([`JsonParseErrors`]).
+            builder
+                .keep_alive(true)
+                .header_read_timeout(None)
+                .max_headers(4 * crate::names::MAX_HEADERS)
+                .max_buf_size(256 << 10);
+            let conn = builder.serve_connection(TokioIo::new(JsonParseErrors::new(watched)), service);
+            watch.drive(conn, |c| c.graceful_shutdown()).await;
+        }
+        Protocol::Http2 => {
+            let mut builder = http2::Builder::new(TokioExecutor::new());
+            builder
+                .timer(TokioTimer::new())
+                .keep_alive_interval(Some(H2_KEEPALIVE))
+                .keep_alive_timeout(H2_KEEPALIVE_TIMEOUT)
+                .max_concurrent_streams(H2_MAX_STREAMS)
+                .max_header_list_size(crate::names::MAX_HEADER_BYTES as u32);
+            let conn = builder.serve_connection(TokioIo::new(watched), service);
+            watch.drive(conn, |c| c.graceful_shutdown()).await;
+        }
+    }
+}
+
+/// Closes a connection the server no longer wants: an HTTP/2 one is told to go away (and given a moment to) rather
+/// than dropped.
+async fn close<C: Future<Output = Result<(), hyper::Error>>>(
+    http2: bool,
+    mut conn: Pin<&mut C>,
+    graceful: &impl Fn(Pin<&mut C>),
+) {
+    if http2 {
+        graceful(conn.as_mut());
+        let _ = tokio::time::timeout(CUT_WRITE, conn).await;
+    }
+}
+
+/// What watches one connection: its peer, activity and the server's phase.
+struct Watch {
+    peer: SocketAddr,
+    activity: Arc<Activity>,
+    shared: Arc<Shared>,
+    phase: watch::Receiver<Phase>,
+}
+
+impl Watch {
+    /// Runs `conn` until it ends, a timeout closes it or the drain does; `graceful` asks it to finish (HTTP/1:
+    /// after the response in flight; HTTP/2: a GOAWAY, the open streams finishing).
+    async fn drive<C>(mut self, conn: C, graceful: impl Fn(Pin<&mut C>))
+    where
+        C: Future<Output = Result<(), hyper::Error>>,
+    {
+        let Watch {
+            peer,
+            ref activity,
+            ref shared,
+            ..
+        } = self;
+        let mut conn = std::pin::pin!(conn);
+        let http2 = shared.protocol == Protocol::Http2;
+        loop {
+            let deadline = activity.deadline(shared);
+            let changed = activity.changed.notified();
+            let pressure = shared.pressure.notified();
+            tokio::select! {
+                result = conn.as_mut() => {
+                    if let Err(e) = result {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    }
                     return;
                 }
-            }
-            () = changed => {}
-            () = pressure => {
-                if activity.idle_for(Instant::now()).is_some_and(|idle| idle >= REAP_MIN_IDLE) {
-                    tracing::debug!(%peer, "closing an idle connection to make room");
-                    return;
+                () = tokio::time::sleep_until(deadline) => {
+                    if let Some(reason) = activity.expired(shared, Instant::now()) {
+                        tracing::debug!(%peer, reason, "closing the connection");
+                        return close(http2, conn.as_mut(), &graceful).await;
+                    }
                 }
-            }
-            Ok(()) = phase.changed() => {
-                // Copied out: the guard must not live across the await below.
-                let now = *phase.borrow_and_update();
-                match now {
-                    Phase::Serving => {}
-                    Phase::Draining => {
-                        if activity.idle_for(Instant::now()).is_some() {
+                () = changed => {}
+                () = pressure => {
+                    if activity.idle_for(Instant::now()).is_some_and(|idle| idle >= REAP_MIN_IDLE) {
+                        tracing::debug!(%peer, "closing an idle connection to make room");
+                        return close(http2, conn.as_mut(), &graceful).await;
+                    }
+                }
+                Ok(()) = self.phase.changed() => {
+                    // Copied out: the guard must not live across the await below.
+                    let now = *self.phase.borrow_and_update();
+                    match now {
+                        Phase::Serving => {}
+                        Phase::Draining => {
+                            if activity.idle_for(Instant::now()).is_some() {
+                                return close(http2, conn.as_mut(), &graceful).await;
+                            }
+                            graceful(conn.as_mut());
+                        }
+                        Phase::Closing => {
+                            // A stream still open is ending with an error event (`body.rs`): a moment to write it.
+                            let _ = tokio::time::timeout(CUT_WRITE, conn.as_mut()).await;
                             return;
                         }
-                        conn.as_mut().graceful_shutdown();
-                    }
-                    Phase::Closing => {
-                        // A stream still open is ending with an error event (`body.rs`): a moment to write it.
-                        let _ = tokio::time::timeout(CUT_WRITE, conn.as_mut()).await;
-                        return;
                     }
                 }
             }
@@ -307,11 +385,14 @@ struct Activity {
     head_since: AtomicU64,
     /// Notified when a request ends or a head starts: the deadline moves.
     changed: Notify,
+    /// Whether bytes with no request in flight start a request head (HTTP/1), with its timeout.
+    heads: bool,
 }
 
 impl Activity {
-    fn new() -> Self {
+    fn new(heads: bool) -> Self {
         Self {
+            heads,
             born: Instant::now(),
             in_flight: AtomicU32::new(0),
             idle_since: AtomicU64::new(0),
@@ -330,7 +411,8 @@ impl Activity {
 
     /// Bytes arrived: with no request in flight they start the next request's head.
     fn bytes_in(&self, now: Instant) {
-        if self.in_flight.load(Ordering::Acquire) == 0
+        if self.heads
+            && self.in_flight.load(Ordering::Acquire) == 0
             && self
                 .head_since
                 .compare_exchange(NONE, self.ms(now), Ordering::AcqRel, Ordering::Acquire)
@@ -471,79 +553,6 @@ impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
     }
 }
 
-/// A response body that holds `G` (a connection's request guard, an in-flight permit) until it ends.
-pub struct WithGuard<G> {
-    body: Body,
-    guard: Option<G>,
-}
-
-impl<G> WithGuard<G> {
-    pub fn new(body: Body, guard: G) -> Self {
-        Self {
-            body,
-            guard: Some(guard),
-        }
-    }
-}
-
-impl<G: Unpin> HttpBody for WithGuard<G> {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let polled = Pin::new(&mut self.body).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) {
-            self.guard = None;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// The `max_in_flight` limit on generation requests (the state of [`limit_in_flight`]).
-pub struct InFlightLimit {
-    permits: Arc<Semaphore>,
-    max: u32,
-}
-
-impl InFlightLimit {
-    pub fn new(max: u32) -> Arc<Self> {
-        Arc::new(Self {
-            permits: Arc::new(Semaphore::new(max as usize)),
-            max,
-        })
-    }
-}
-
-/// Middleware: a request over the limit is answered 503 with `Retry-After: 1` at once, its body unread; the others
-/// hold a permit until their response body ends (or the client goes away).
-pub async fn limit_in_flight(State(limit): State<Arc<InFlightLimit>>, request: Request, next: Next) -> Response {
-    match Arc::clone(&limit.permits).try_acquire_owned() {
-        Ok(permit) => next
-            .run(request)
-            .await
-            .map(|body| Body::new(WithGuard::new(body, permit))),
-        Err(_) => {
-            let message = format!(
-                "the gateway is at its limit of {} requests in flight (server.max_in_flight); retry shortly",
-                limit.max
-            );
-            let mut response = ApiError::Unavailable(message).into_response();
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            response
-        }
-    }
-}
-
 /// Logs at most once per [`LOG_EVERY`], counting what it skipped.
 struct Throttled {
     last: Option<Instant>,
@@ -606,6 +615,7 @@ mod tests {
 
     fn shared(header_ms: u64, idle_ms: u64) -> Shared {
         Shared {
+            protocol: Protocol::Http1,
             header_read_timeout: Duration::from_millis(header_ms),
             idle_timeout: Duration::from_millis(idle_ms),
             pressure: Notify::new(),
@@ -616,7 +626,7 @@ mod tests {
     #[test]
     fn deadlines_follow_the_connection() {
         let shared = shared(100, 1_000);
-        let activity = Activity::new();
+        let activity = Activity::new(true);
         let t = |ms: u64| activity.born + Duration::from_millis(ms);
         assert_eq!(activity.deadline(&shared), t(1_000), "idle from the accept");
         assert_eq!(activity.idle_for(t(300)), Some(Duration::from_millis(300)));
@@ -638,6 +648,12 @@ mod tests {
         activity.bytes_in(t(7_000));
         assert_eq!(activity.expired(&shared, t(7_099)), None);
         assert_eq!(activity.expired(&shared, t(7_100)), Some("header read timeout"));
+        // HTTP/2: bytes between streams (PINGs, SETTINGS) start no head; only idleness closes.
+        let activity = Activity::new(false);
+        let t = |ms: u64| activity.born + Duration::from_millis(ms);
+        activity.bytes_in(t(300));
+        assert_eq!(activity.deadline(&shared), t(1_000));
+        assert_eq!(activity.expired(&shared, t(1_000)), Some("idle timeout"));
     }
 
     /// Handlers get `ConnectInfo<SocketAddr>` (what `into_make_service_with_connect_info` gave), and `run` returns
@@ -658,7 +674,16 @@ mod tests {
             let shutdown = async {
                 let _ = stopped.await;
             };
-            run(listener, router, &config, None, &DrainDeadline::default(), shutdown).await
+            run(
+                listener,
+                Protocol::Http1,
+                router,
+                &config,
+                None,
+                &DrainDeadline::default(),
+                shutdown,
+            )
+            .await
         });
         let (local, reply, idle) = tokio::task::spawn_blocking(move || {
             let mut s = std::net::TcpStream::connect(addr).unwrap();
@@ -718,6 +743,7 @@ mod tests {
         tokio::spawn(async move {
             run(
                 listener,
+                Protocol::Http1,
                 router,
                 &config,
                 Some(acceptor),

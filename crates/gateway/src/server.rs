@@ -19,7 +19,8 @@ use tokio::sync::watch;
 
 use crate::config::{Backend, WorkerConfig};
 use crate::error::ApiError;
-use crate::listener::{self, InFlightLimit};
+use crate::in_flight::{self, InFlightLimit};
+use crate::listener;
 use crate::names::{MAX_HEADERS, MAX_HEADER_BYTES, MAX_URI_BYTES, REQUEST_ID};
 use crate::state::AppState;
 use crate::{access, health, proxy, responses, telemetry};
@@ -64,7 +65,10 @@ pub fn public_route(method: &str, path: &str) -> Result<(), ApiError> {
     let methods: &[&str] = if GENERATE_PATHS.contains(&path) {
         &["POST"]
     } else {
-        match OTHER_PUBLIC_ROUTES.iter().find(|(pattern, _)| path_matches(pattern, path)) {
+        match OTHER_PUBLIC_ROUTES
+            .iter()
+            .find(|(pattern, _)| path_matches(pattern, path))
+        {
             Some((_, methods)) => methods,
             None => return Err(ApiError::NotFound("no such route".into())),
         }
@@ -97,7 +101,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fold(Router::new(), |router, path| router.route(path, post(proxy::generate)))
         .route_layer(middleware::from_fn_with_state(
             InFlightLimit::new(state.config.server.max_in_flight),
-            listener::limit_in_flight,
+            in_flight::limit_in_flight,
         ))
         // As `OTHER_PUBLIC_ROUTES` lists them.
         .route("/v1/responses/{id}", get(responses::stored).delete(responses::stored))
@@ -232,7 +236,16 @@ pub async fn serve(
     let config = state.config.server.clone();
     let tls = state.tls_acceptor.clone();
     let deadline = state.drain_deadline.clone();
-    let served = listener::run(listener, router(state), &config, tls, &deadline, shutdown).await;
+    let served = listener::run(
+        listener,
+        listener::Protocol::Http1,
+        router(state),
+        &config,
+        tls,
+        &deadline,
+        shutdown,
+    )
+    .await;
     background.stop().await;
     served
 }
