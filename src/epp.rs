@@ -33,9 +33,6 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.fleet.gateway_config()?;
     config.listen = args.http_listen;
     config.validate()?;
-    if config.server.tls_cert_file.is_some() {
-        anyhow::bail!("dprouter epp serves gRPC and its HTTP side in plaintext: remove [server] tls_cert_file");
-    }
     let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         embed_an_engine_if_no_worker(&mut config).await?;

@@ -262,6 +262,40 @@ fn the_pickers_deployment_role_and_config_are_what_dprouter_needs() {
     assert!(container["image"].as_str().unwrap().starts_with(&image));
 }
 
+/// Only the Gateway's proxies reach the picker's gRPC port: a NetworkPolicy selects the picker's pods, and every
+/// ingress rule that admits 9002 admits it only from pods labelled with the name of the Gateway the route hangs on.
+#[test]
+fn only_the_gateways_proxies_reach_the_pickers_grpc_port() {
+    let objects = objects();
+    let epp = get(&objects, "Deployment", "dprouter-epp");
+    let pod_labels = labels(&epp["spec"]["template"]["metadata"]["labels"]);
+    let policy = get(&objects, "NetworkPolicy", "dprouter-epp");
+    assert_eq!(policy["apiVersion"], "networking.k8s.io/v1");
+    let spec = &policy["spec"];
+    assert!(selects(&labels(&spec["podSelector"]["matchLabels"]), &pod_labels));
+    assert!(spec["policyTypes"].as_array().unwrap().iter().any(|t| t == "Ingress"));
+    let gateway = get(&objects, "HTTPRoute", "llm")["spec"]["parentRefs"][0]["name"].clone();
+    let rules = spec["ingress"].as_array().unwrap();
+    let admits_grpc = |rule: &Value| {
+        rule["ports"]
+            .as_array()
+            .is_none_or(|ports| ports.iter().any(|p| p["port"] == 9002))
+    };
+    let grpc_rules: Vec<&Value> = rules.iter().filter(|r| admits_grpc(r)).collect();
+    assert!(!grpc_rules.is_empty(), "no rule admits the gateway to 9002");
+    for rule in grpc_rules {
+        let from = rule["from"].as_array().expect("a rule admitting 9002 from anywhere");
+        for peer in from {
+            let selector = &peer["podSelector"]["matchLabels"];
+            assert_eq!(
+                selector["gateway.networking.k8s.io/gateway-name"], gateway,
+                "9002 admits pods other than the Gateway's: {peer}"
+            );
+            assert!(peer.get("ipBlock").is_none(), "{peer}");
+        }
+    }
+}
+
 #[test]
 fn the_route_sends_a_gateways_traffic_to_the_pool() {
     let objects = objects();

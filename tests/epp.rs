@@ -289,3 +289,78 @@ async fn envoys_subset_hint_restricts_the_pickers_choice() {
     assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE, "{}", refused.text);
     assert!(refused.json["error"]["message"].is_string(), "{}", refused.text);
 }
+
+/// The picker's gRPC port with mutual TLS (`server.tls_cert_file`, `tls_key_file`, `tls_client_ca_file`): Envoy,
+/// presenting a client certificate the CA issued and checking the picker's, routes as in plaintext (its health
+/// checks too); a client without a certificate does not get through the handshake.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_talks_to_the_picker_over_mutual_tls() {
+    use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("epp-mtls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, pem: String| {
+        let path = dir.join(name);
+        std::fs::write(&path, pem).unwrap();
+        path.display().to_string()
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    // Names of their own: with rcgen's one default name, a leaf would look self-signed to BoringSSL.
+    ca.distinguished_name
+        .push(rcgen::DnType::CommonName, "dprouter test CA");
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let issue = |name: &str, usage| {
+        let key = KeyPair::generate().unwrap();
+        let mut params = CertificateParams::new(vec![name.to_string()]).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        params.extended_key_usages = vec![usage];
+        (params.signed_by(&key, &ca, &ca_key).unwrap(), key)
+    };
+    let (picker_cert, picker_key) = issue("picker.dprouter.test", ExtendedKeyUsagePurpose::ServerAuth);
+    let (envoy_cert, envoy_key) = issue("envoy.dprouter.test", ExtendedKeyUsagePurpose::ClientAuth);
+    let ca_file = write("ca.pem", ca.pem());
+    let config = write(
+        "epp.toml",
+        format!(
+            "[server]\ntls_cert_file = {:?}\ntls_key_file = {:?}\ntls_client_ca_file = {ca_file:?}\n",
+            write("picker.pem", picker_cert.pem()),
+            write("picker.key", picker_key.serialize_pem()),
+        ),
+    );
+    let tls_context = format!(
+        "    transport_socket:\n      name: envoy.transport_sockets.tls\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext\n        sni: picker.dprouter.test\n        common_tls_context:\n          alpn_protocols: [h2]\n          tls_certificates:\n          - certificate_chain: {{ filename: {:?} }}\n            private_key: {{ filename: {:?} }}\n          validation_context:\n            trusted_ca: {{ filename: {ca_file:?} }}\n            match_typed_subject_alt_names:\n            - san_type: DNS\n              matcher: {{ exact: picker.dprouter.test }}\n",
+        write("envoy.pem", envoy_cert.pem()),
+        write("envoy.key", envoy_key.serialize_pem()),
+    );
+    let a = Proc::engine(&["--dp-size", "2"]);
+    let engines = [&a];
+    let picker = Picker::start(&engines, &["--config", &config]);
+    let envoy = Envoy::start_edited("mtls", &[&picker.grpc], |config| {
+        let cluster = "  - name: picker\n    type: STATIC\n";
+        assert!(config.contains(cluster), "deploy/envoy.yaml changed its picker cluster");
+        config.replacen(cluster, &format!("{cluster}{tls_context}"), 1)
+    })
+    .await;
+    envoy.wait_for_healthy_pickers(1).await;
+    let c = client();
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    for n in 0..4 {
+        let reply = post(&c, &url, &[], &chat(n, "You are terse.")).await;
+        check_route(&reply, &engines);
+    }
+    // A plaintext client is closed without an HTTP/2 answer (at most a TLS alert). Without a client certificate,
+    // the handshake fails: `dprouter_gateway::tls`'s unit test.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut plain = tokio::net::TcpStream::connect(&picker.grpc).await.unwrap();
+    plain
+        .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(15), plain.read_to_end(&mut answer))
+        .await
+        .expect("closed")
+        .unwrap_or_default();
+    assert!(answer.is_empty() || answer[0] == 0x15, "not a TLS alert: {answer:?}");
+}

@@ -91,12 +91,14 @@ pub async fn run(
         .add_service(picker)
         .into_axum_router();
     let config = state.config.server.clone();
+    // TLS (mutual with `tls_client_ca_file`) on the gRPC port only: the HTTP side answers probes and scrapes.
+    let tls = dprouter_gateway::tls::acceptor(&config, dprouter_gateway::tls::HTTP2).map_err(std::io::Error::other)?;
     let server = listener::run(
         grpc,
         Protocol::Http2,
         grpc_router,
         &config,
-        None,
+        tls,
         &state.drain_deadline,
         stop(stopped),
     );

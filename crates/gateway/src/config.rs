@@ -93,6 +93,9 @@ pub struct ServerConfig {
     pub tls_cert_file: Option<std::path::PathBuf>,
     /// TLS on the listener: the certificate's private key (PEM).
     pub tls_key_file: Option<std::path::PathBuf>,
+    /// Mutual TLS: clients must present a certificate issued by one of these authorities (PEM); needs
+    /// `tls_cert_file`. For `dprouter epp`'s gRPC port, so that only the data plane can talk to the picker.
+    pub tls_client_ca_file: Option<std::path::PathBuf>,
 }
 
 impl Default for ServerConfig {
@@ -108,6 +111,7 @@ impl Default for ServerConfig {
             access_log: false,
             tls_cert_file: None,
             tls_key_file: None,
+            tls_client_ca_file: None,
         }
     }
 }
@@ -129,6 +133,12 @@ impl ServerConfig {
         if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
             return Err(ConfigError::Invalid(
                 "server.tls_cert_file and server.tls_key_file go together: set both for TLS, or neither".into(),
+            ));
+        }
+        if self.tls_client_ca_file.is_some() && self.tls_cert_file.is_none() {
+            return Err(ConfigError::Invalid(
+                "server.tls_client_ca_file checks clients' certificates over TLS: set tls_cert_file and tls_key_file too"
+                    .into(),
             ));
         }
         for origin in &self.cors_allow_origins {

@@ -730,7 +730,9 @@ mod tests {
         let (cert_file, key_file) = (dir.join("cert.pem"), dir.join("key.pem"));
         std::fs::write(&cert_file, cert.pem()).unwrap();
         std::fs::write(&key_file, key.serialize_pem()).unwrap();
-        let acceptor = tokio_rustls::TlsAcceptor::from(crate::tls::server_config(&cert_file, &key_file).unwrap());
+        let acceptor = tokio_rustls::TlsAcceptor::from(
+            crate::tls::server_config(&cert_file, &key_file, None, crate::tls::HTTP1).unwrap(),
+        );
         std::fs::remove_dir_all(&dir).unwrap();
 
         let router = Router::new().route("/", axum::routing::get(|| async { "over tls" }));

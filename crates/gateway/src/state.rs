@@ -72,12 +72,7 @@ impl AppState {
                 crate::tls::client_config(config.upstream_ca_file.as_deref(), "upstream_ca_file")
                     .map_err(StartError::Tls)?,
             ),
-            tls_acceptor: match (&config.server.tls_cert_file, &config.server.tls_key_file) {
-                (Some(cert), Some(key)) => Some(tokio_rustls::TlsAcceptor::from(
-                    crate::tls::server_config(cert, key).map_err(StartError::Tls)?,
-                )),
-                _ => None,
-            },
+            tls_acceptor: crate::tls::acceptor(&config.server, crate::tls::HTTP1).map_err(StartError::Tls)?,
             kv_feeds: Default::default(),
             tokenizers: crate::tokens::Tokenizers::load(&config)
                 .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?,
