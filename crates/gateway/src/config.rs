@@ -19,6 +19,9 @@ pub use crate::worker_config::{
 pub struct HealthConfig {
     /// Interval between active `GET /health` probes of each worker, milliseconds.
     pub interval_ms: u64,
+    /// Interval between probes of a worker that is down or has never answered, milliseconds (Envoy's
+    /// `unhealthy_interval`): a fleet's dead endpoints cost a fraction of the live ones' probes.
+    pub unhealthy_interval_ms: u64,
     /// Probe timeout, milliseconds.
     pub timeout_ms: u64,
     /// Consecutive failed probes that mark a worker's endpoints down.
@@ -36,12 +39,16 @@ pub struct HealthConfig {
     pub max_ejection_percent: u32,
     /// Below this share of routable endpoints (percent), route across all endpoints (panic mode).
     pub panic_threshold_percent: u32,
+    /// Probes in flight at once, across all workers. Each round's probes are spread over `interval_ms`; a fleet
+    /// that needs more than this many at once (many workers, slow answers) gets rounds longer than the interval.
+    pub max_concurrent_probes: u32,
 }
 
 impl Default for HealthConfig {
     fn default() -> Self {
         Self {
             interval_ms: 2000,
+            unhealthy_interval_ms: 10_000,
             timeout_ms: 1000,
             failure_threshold: 2,
             success_threshold: 2,
@@ -50,6 +57,7 @@ impl Default for HealthConfig {
             max_ejection_ms: 300_000,
             max_ejection_percent: 50,
             panic_threshold_percent: 50,
+            max_concurrent_probes: 64,
         }
     }
 }
@@ -347,15 +355,18 @@ impl GatewayConfig {
                     .into(),
             ));
         }
-        if self.health.interval_ms == 0 || self.health.timeout_ms == 0 {
+        if h.interval_ms == 0 || h.unhealthy_interval_ms == 0 || h.timeout_ms == 0 || h.max_concurrent_probes == 0 {
             return Err(ConfigError::Invalid(
-                "health.interval_ms and health.timeout_ms must be positive".into(),
+                "health.interval_ms, health.unhealthy_interval_ms, health.timeout_ms and health.max_concurrent_probes \
+                 must be positive"
+                    .into(),
             ));
         }
         self.server.validate()?;
         let s = &self.server;
         for (field, value) in [
             ("health.interval_ms", h.interval_ms),
+            ("health.unhealthy_interval_ms", h.unhealthy_interval_ms),
             ("health.timeout_ms", h.timeout_ms),
             ("health.base_ejection_ms", h.base_ejection_ms),
             ("health.max_ejection_ms", h.max_ejection_ms),

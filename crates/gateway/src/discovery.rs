@@ -1,28 +1,37 @@
 //! Discovery's one way into the registry: each source ([`crate::kubernetes`], [`crate::dns`]) says which workers
-//! it finds now, and a reconciler adds the new ones the way `POST /workers` does ([`AppState::add_worker`]: the
-//! same checks, SGLang's ranks asked, KV-event feeds started by the registry's change) and removes the ones gone
-//! ([`crate::registry::Registry::remove_worker`]: no new request goes there, requests in flight finish, its feeds
-//! stop). A worker that cannot be added yet (an SGLang engine still loading) is tried again every second. A
-//! worker whose description changed (an annotation) is removed and added again. Workers from the config file or
-//! `POST /workers` are never touched; a URL already registered that way is left to it.
+//! it finds now, and a reconciler applies the difference as membership changes. The workers gone are removed in
+//! one change ([`crate::registry::Registry::remove_workers`]: no new request goes there, requests in flight
+//! finish, their feeds stop). The new ones whose rank count is known (given, or one) are added in one change
+//! without being asked anything ([`AppState::add_found`]): each is routable once its first health probe passes and
+//! it has said what it serves, which the health loop does at once for new workers ([`crate::health`]); so a list
+//! of 10,000 endpoints is one snapshot rebuild, and no request reaches an endpoint never probed. An SGLang worker
+//! whose rank count only it can tell is asked first ([`AppState::add_worker`], as `POST /workers` is). A worker
+//! that cannot be added yet is tried again every second. A worker whose description changed (an annotation) is
+//! removed and added again. Workers from the config file or `POST /workers` are never touched; a URL already
+//! registered that way is left to it.
 //!
 //! The gateway is ready (`/readiness`, the Endpoint Picker's gRPC health) once every source has delivered its
-//! first list and that list was applied once.
+//! first list and that list was applied once. Shutdown does not wait for a list being applied.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use dprouter_core::WorkerId;
+use futures_util::StreamExt;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::discovery_config::Found;
-use crate::state::{AppState, StartError};
+use crate::state::{ranks_known, AppState, StartError};
 use crate::worker_config::WorkerConfig;
 
 /// The wait before a worker that could not be added is tried again.
 const RETRY: Duration = Duration::from_secs(1);
+/// Workers whose rank count must be asked (SGLang without `dp_size`) asked at once, at most.
+const ASK_AT_ONCE: usize = 64;
+/// Workers named in a log line about many, at most.
+const SHOWN: usize = 3;
 
 /// Starts every configured source and its reconciler; they end when `stopped` turns true.
 pub fn spawn(state: &Arc<AppState>, stopped: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
@@ -70,7 +79,11 @@ pub async fn follow(
     loop {
         let found = seen.borrow_and_update().clone();
         if let Some(found) = found {
-            reconciler.apply(&found).await;
+            // Shutdown does not wait for workers being asked.
+            tokio::select! {
+                () = reconciler.apply(&found) => {}
+                _ = stopped.wait_for(|s| *s) => return,
+            }
             if !synced {
                 synced = true;
                 state.discovery_unsynced.send_modify(|n| *n = n.saturating_sub(1));
@@ -108,9 +121,12 @@ impl Reconciler {
         }
     }
 
+    /// Applies one list: the workers gone removed in one membership change, the new ones whose rank count is known
+    /// added in one (unprobed: routable once their first probe passes), the others asked, at most [`ASK_AT_ONCE`]
+    /// at a time.
     async fn apply(&mut self, found: &Found) {
-        let registered: BTreeSet<WorkerId> = self.state.registry.workers().iter().map(|w| w.id).collect();
-        let label = &self.label;
+        let registered: HashSet<WorkerId> = self.state.registry.workers().iter().map(|w| w.id).collect();
+        let mut gone = Vec::new();
         self.owned.retain(|url, (id, config)| {
             if !registered.contains(id) {
                 // Removed by `DELETE /workers/{id}`: added again below while it is found.
@@ -119,41 +135,69 @@ impl Reconciler {
             if found.get(url) == Some(&*config) {
                 return true;
             }
-            self.state.registry.remove_worker(*id);
-            tracing::info!(source = %label, %url, worker = id.0, "worker removed: no new request goes there, requests in flight finish");
+            gone.push((url.clone(), *id));
             false
         });
+        if !gone.is_empty() {
+            let ids: Vec<WorkerId> = gone.iter().map(|(_, id)| *id).collect();
+            let removed = self.state.registry.remove_workers(&ids);
+            let urls: Vec<&str> = gone.iter().take(SHOWN).map(|(url, _)| url.as_str()).collect();
+            tracing::info!(source = %self.label, removed, first = ?urls,
+                           "workers removed: no new request goes there, requests in flight finish");
+        }
         self.waiting = found
             .iter()
             .filter(|(url, _)| !self.owned.contains_key(*url))
             .map(|(url, w)| (url.clone(), w.clone()))
             .collect();
         self.warned.retain(|url| self.waiting.contains_key(url));
-        let adds = self
-            .waiting
-            .values()
-            .map(|w| async { (w.url.clone(), self.state.add_worker(w).await) });
-        let results = futures_util::future::join_all(adds).await;
+        let (known, unknown): (Vec<WorkerConfig>, Vec<WorkerConfig>) =
+            self.waiting.values().cloned().partition(ranks_known);
+        let mut results: Vec<(String, Result<WorkerId, StartError>)> = {
+            let urls: Vec<String> = known.iter().map(|w| w.url.clone()).collect();
+            urls.into_iter().zip(self.state.add_found(known)).collect()
+        };
+        let state = &self.state;
+        let asked = futures_util::stream::iter(unknown)
+            .map(|w| async move {
+                let added = state.add_worker(&w).await.map(|(id, _)| id);
+                (w.url, added)
+            })
+            .buffer_unordered(ASK_AT_ONCE)
+            .collect::<Vec<_>>()
+            .await;
+        results.extend(asked);
+        let (mut added, mut left, mut failed) = (Vec::new(), Vec::new(), Vec::new());
         for (url, result) in results {
             match result {
-                Ok((id, dp_size)) => {
+                Ok(id) => {
                     let worker = self.waiting.remove(&url).expect("found above");
-                    tracing::info!(source = %self.label, %url, worker = id.0, dp_size, "worker discovered");
+                    tracing::debug!(source = %self.label, %url, worker = id.0, "worker discovered");
+                    added.push(url.clone());
                     self.owned.insert(url, (id, worker));
                 }
                 Err(e) => {
                     if self.warned.insert(url.clone()) {
                         match e {
-                            StartError::Duplicate { .. } => {
-                                tracing::info!(source = %self.label, %url, "found, but already registered (config file or POST /workers): left to it")
-                            }
-                            e => {
-                                tracing::warn!(source = %self.label, error = %e, "found, not added yet: trying every second")
-                            }
+                            StartError::Duplicate { .. } => left.push(url),
+                            e => failed.push(crate::throttled::clip(&e.to_string()).into_owned()),
                         }
                     }
                 }
             }
+        }
+        let label = &self.label;
+        if !added.is_empty() {
+            tracing::info!(source = %label, added = added.len(), first = ?&added[..added.len().min(SHOWN)],
+                           "workers discovered (each routable once its first health probe passes)");
+        }
+        if !left.is_empty() {
+            tracing::info!(source = %label, count = left.len(), first = ?&left[..left.len().min(SHOWN)],
+                           "found, but already registered (config file or POST /workers): left to it");
+        }
+        if !failed.is_empty() {
+            tracing::warn!(source = %label, count = failed.len(), first = ?&failed[..failed.len().min(SHOWN)],
+                           "found, not added yet: trying every second");
         }
     }
 }

@@ -5,14 +5,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dprouter_core::EngineReport;
+use std::collections::{HashMap, HashSet};
+
+use dprouter_core::{EngineReport, WorkerId};
 use futures_util::future::join_all;
+use futures_util::StreamExt;
 use serde_json::Value;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::Backend;
+use crate::registry::WorkerState;
 use crate::state::AppState;
+use crate::throttled::Throttled;
 use crate::upstream::ProbeError;
 
 /// Starts the background tasks; they stop when `stop` turns true.
@@ -62,50 +67,193 @@ where
     }
 }
 
-/// Probes every worker each `interval_ms`, and at once when a failed request asks for it.
+/// Probes every worker once per `interval_ms` (one that is down, or found and never up, once per
+/// `unhealthy_interval_ms`), the round's probes spread evenly over the interval and at most
+/// `max_concurrent_probes` in flight; and at once the workers a failed request made suspect and those discovery
+/// just found ([`crate::registry::Registry::due_now`]). A found worker whose probe passes is asked what it serves
+/// and admitted ([`crate::registry::Registry::admit`]). Results are recorded in batches: one snapshot rebuild for
+/// many workers whose health changed.
 async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
-    let health = state.config.health.clone();
-    let timeout = Duration::from_millis(health.timeout_ms);
-    let mut ticker = tokio::time::interval(Duration::from_millis(health.interval_ms));
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // Each worker's last probe result: a probe that fails after one that did not (or first) is logged at `warn`
-    // with its reason (a refused connection, a TLS certificate the gateway does not trust, a status), once.
-    let mut last_ok: std::collections::HashMap<dprouter_core::WorkerId, bool> = Default::default();
+    let interval = Duration::from_millis(state.config.health.interval_ms);
+    let prober = Prober::new(Arc::clone(&state));
     loop {
-        tokio::select! {
-            _ = ticker.tick() => {}
-            () = state.registry.probe_requested() => {}
-            _ = stop.changed() => return,
-        }
-        let workers = state.registry.workers();
-        let probes = join_all(workers.iter().map(|w| state.upstream.probe(&w.url, timeout)));
-        let Some(results) = until_stopped(&mut stop, probes).await else {
-            return;
-        };
-        last_ok.retain(|id, _| workers.iter().any(|w| w.id == *id));
-        let now_us = crate::clock::now_us();
-        for (w, result) in workers.iter().zip(results) {
-            // A slow /health of a worker that is answering requests counts neither way.
-            let serving = matches!(result, Err(ProbeError::Slow(_))) && state.registry.record_slow_probe(w.id, now_us);
-            if serving {
-                tracing::debug!(worker = w.id.0, url = %w.url, "slow health probe of a worker that is serving");
-                continue;
-            }
-            let was_ok = last_ok.insert(w.id, result.is_ok());
-            match &result {
-                Err(reason) if was_ok != Some(false) => {
-                    tracing::warn!(worker = w.id.0, url = %w.url, error = %reason, "health probe failed")
+        let round_start = tokio::time::Instant::now();
+        let round = prober.probe(prober.due(state.registry.workers(), round_start), interval);
+        let mut round = std::pin::pin!(round);
+        // The round, interleaved with probes due now, until the interval has passed and the round is done.
+        let mut done = false;
+        loop {
+            tokio::select! {
+                () = &mut round, if !done => done = true,
+                () = tokio::time::sleep_until(round_start + interval), if done => break,
+                () = state.registry.probe_requested() => {
+                    let due = state.registry.due_now();
+                    if until_stopped(&mut stop, prober.probe(due, Duration::ZERO)).await.is_none() {
+                        return;
+                    }
                 }
-                Ok(()) if was_ok == Some(false) => {
-                    tracing::info!(worker = w.id.0, url = %w.url, "health probe answered again")
-                }
-                _ => {}
-            }
-            if !matches!(result, Err(ProbeError::Slow(_))) {
-                state.registry.record_probe(w.id, result.is_ok());
+                _ = stop.changed() => return,
             }
         }
     }
+}
+
+/// What one probe found.
+enum Outcome {
+    /// A probe of a worker in service: passed, or failed.
+    Probed(bool),
+    /// A found worker passed its first probe and said what it serves.
+    Admit(crate::upstream::WorkerInfo),
+    /// A slow `/health` of a worker that is serving: counts neither way.
+    Serving,
+}
+
+/// The probes' shared limit and their logs.
+struct Prober {
+    state: Arc<AppState>,
+    slots: tokio::sync::Semaphore,
+    concurrency: usize,
+    timeout: Duration,
+    /// Each worker's last probe result: a probe that fails after one that did not (or first) is logged at `warn`
+    /// with its reason (a refused connection, a TLS certificate the gateway does not trust, a status), once; at
+    /// most one such line per [`crate::throttled::LOG_EVERY`], counting the others (a fleet of dead endpoints).
+    last_ok: std::sync::Mutex<HashMap<WorkerId, bool>>,
+    /// When each worker was last probed, for the slower interval of those down.
+    last_probed: std::sync::Mutex<HashMap<WorkerId, tokio::time::Instant>>,
+    unhealthy_interval: Duration,
+    failed_log: std::sync::Mutex<Throttled>,
+    back_log: std::sync::Mutex<Throttled>,
+}
+
+impl Prober {
+    fn new(state: Arc<AppState>) -> Self {
+        let health = &state.config.health;
+        let concurrency = health.max_concurrent_probes as usize;
+        Self {
+            slots: tokio::sync::Semaphore::new(concurrency),
+            concurrency,
+            timeout: Duration::from_millis(health.timeout_ms),
+            last_ok: Default::default(),
+            last_probed: Default::default(),
+            unhealthy_interval: Duration::from_millis(health.unhealthy_interval_ms),
+            failed_log: Default::default(),
+            back_log: Default::default(),
+            state,
+        }
+    }
+
+    /// The workers due in a round starting `now`: those routable, and those down whose last probe is
+    /// `unhealthy_interval` old. Workers gone are forgotten.
+    fn due(&self, workers: Vec<Arc<WorkerState>>, now: tokio::time::Instant) -> Vec<Arc<WorkerState>> {
+        let mut last_probed = lock(&self.last_probed);
+        let present: HashSet<WorkerId> = workers.iter().map(|w| w.id).collect();
+        last_probed.retain(|id, _| present.contains(id));
+        workers
+            .into_iter()
+            .filter(|w| {
+                w.active_healthy() || last_probed.get(&w.id).is_none_or(|&at| now >= at + self.unhealthy_interval)
+            })
+            .collect()
+    }
+
+    /// Probes `workers`, their start times spread evenly over `spread`, and records what they found.
+    async fn probe(&self, workers: Vec<Arc<WorkerState>>, spread: Duration) {
+        let count = u32::try_from(workers.len().max(1)).unwrap_or(u32::MAX);
+        let start = tokio::time::Instant::now();
+        let present: HashSet<WorkerId> = workers.iter().map(|w| w.id).collect();
+        let probes = futures_util::stream::iter(workers.into_iter().zip(0u32..))
+            .map(|(w, i)| async move {
+                tokio::time::sleep_until(start + spread / count * i).await;
+                let _slot = self.slots.acquire().await;
+                lock(&self.last_probed).insert(w.id, tokio::time::Instant::now());
+                let outcome = self.probe_one(&w).await;
+                (w, outcome)
+            })
+            .buffer_unordered(self.concurrency)
+            .ready_chunks(256);
+        let mut probes = std::pin::pin!(probes);
+        while let Some(chunk) = probes.next().await {
+            self.record(chunk);
+        }
+        if spread > Duration::ZERO {
+            self.lock_last_ok().retain(|id, _| present.contains(id));
+        }
+    }
+
+    async fn probe_one(&self, w: &WorkerState) -> Outcome {
+        let state = &self.state;
+        let result = state.upstream.probe(&w.url, self.timeout).await;
+        if let Some(config) = &w.unprobed {
+            // Found by discovery: routable once it answers, and once it says what it serves.
+            if let Err(reason) = &result {
+                self.log_failure(w, reason);
+                return Outcome::Probed(false);
+            }
+            return match state.upstream.discover(config, state.discover_timeout()).await {
+                Ok(info) => Outcome::Admit(info),
+                Err(reason) => {
+                    self.log_failure(w, &ProbeError::Failed(reason));
+                    Outcome::Probed(false)
+                }
+            };
+        }
+        // A slow /health of a worker that is answering requests counts neither way.
+        if matches!(result, Err(ProbeError::Slow(_))) && state.registry.record_slow_probe(w.id, crate::clock::now_us())
+        {
+            tracing::debug!(worker = w.id.0, url = %w.url, "slow health probe of a worker that is serving");
+            return Outcome::Serving;
+        }
+        match &result {
+            Err(reason) => self.log_failure(w, reason),
+            Ok(()) => {
+                if self.lock_last_ok().insert(w.id, true) == Some(false) {
+                    if let Some(suppressed) = lock(&self.back_log).ready() {
+                        tracing::info!(worker = w.id.0, url = %w.url, suppressed, "health probe answered again");
+                    }
+                }
+            }
+        }
+        match result {
+            // Already recorded by `record_slow_probe`.
+            Err(ProbeError::Slow(_)) => Outcome::Serving,
+            result => Outcome::Probed(result.is_ok()),
+        }
+    }
+
+    fn log_failure(&self, w: &WorkerState, reason: &ProbeError) {
+        if self.lock_last_ok().insert(w.id, false) != Some(false) {
+            if let Some(suppressed) = lock(&self.failed_log).ready() {
+                tracing::warn!(worker = w.id.0, url = %w.url, error = %crate::throttled::clip(&reason.to_string()),
+                               suppressed, "health probe failed");
+            }
+        }
+    }
+
+    /// Records a batch of outcomes: admissions, then probes.
+    fn record(&self, chunk: Vec<(Arc<WorkerState>, Outcome)>) {
+        let registry = &self.state.registry;
+        let mut probes = Vec::with_capacity(chunk.len());
+        let mut admitted = Vec::new();
+        for (w, outcome) in chunk {
+            match outcome {
+                Outcome::Probed(ok) => probes.push((w.id, ok)),
+                Outcome::Admit(info) => admitted.push((w.id, info)),
+                Outcome::Serving => {}
+            }
+        }
+        if !admitted.is_empty() {
+            registry.admit_all(admitted);
+        }
+        registry.record_probes(&probes);
+    }
+
+    fn lock_last_ok(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, bool>> {
+        lock(&self.last_ok)
+    }
+}
+
+fn lock<T>(mutex: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Discovers the workers that were down at start, each probe interval, until none is left.

@@ -13,20 +13,29 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::{Request, StatusCode};
+use serde::Deserialize;
 use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::discovery_config::{Found, KubernetesSource, Watched, WorkerTemplate, SERVICE_ACCOUNT_DIR};
+pub use crate::kubernetes_objects::{pod_address, pod_workers, slice_addresses, PoolSpec};
+use crate::kubernetes_objects::{EndpointSlice, Lenient, List, Meta, Object, Pod, Pool};
+use crate::throttled::clip;
 use crate::upstream::{error_chain, Chunks, Upstream};
-use crate::worker_config::WorkerConfig;
 
-/// The largest LIST answer read.
+/// The largest LIST page read.
 const MAX_LIST_BYTES: usize = 64 << 20;
+/// Objects asked per LIST page (`limit`, as client-go's reflector pages): a page of Pods is a few MB.
+const LIST_PAGE: usize = 500;
+/// A collection's changes are published at most this often: a burst of watch events (or a LIST) is one change of
+/// membership, not one per event.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 /// The largest watch event (one object) read.
 const MAX_EVENT_BYTES: usize = 16 << 20;
 /// How long the server keeps a watch open before it ends it (the client watches again).
@@ -116,34 +125,55 @@ impl Api {
             .map_err(|e| ApiError::Other(format!("{path_and_query}: {e}")))
     }
 
-    /// LIST: the objects and the list's resource version.
-    async fn list(&self, path: &str, query: &str) -> Result<(Vec<Value>, String), ApiError> {
-        let request = self.request(&format!("{path}?{query}"))?;
-        let (status, _, body) = self
-            .client
-            .exchange(request, REQUEST_TIMEOUT, MAX_LIST_BYTES)
-            .await
-            .map_err(ApiError::Other)?;
-        check_status(status, &body, path)?;
-        let mut list: Value = serde_json::from_slice(&body).map_err(|e| ApiError::Other(format!("{path}: {e}")))?;
-        let version = resource_version(&list)
-            .ok_or_else(|| ApiError::Other(format!("{path}: the list has no metadata.resourceVersion")))?;
-        let items = match list.get_mut("items").map(Value::take) {
-            Some(Value::Array(items)) => items,
-            Some(Value::Null) | None => Vec::new(),
-            Some(_) => return Err(ApiError::Other(format!("{path}: items is not a list"))),
-        };
-        Ok((items, version))
+    /// LIST, page by page: the objects (those that do not read as `T` skipped, counted in a warning) and the
+    /// list's resource version.
+    async fn list<T: Object>(&self, path: &str, query: &str) -> Result<(Vec<T>, String), ApiError> {
+        let mut items = Vec::new();
+        let mut next: Option<String> = None;
+        let mut unreadable: Option<(usize, String)> = None;
+        loop {
+            let page_query = match &next {
+                Some(token) => format!("{query}&limit={LIST_PAGE}&continue={}", encode(token)),
+                None => format!("{query}&limit={LIST_PAGE}"),
+            };
+            let request = self.request(&format!("{path}?{page_query}"))?;
+            let (status, _, body) = self
+                .client
+                .exchange(request, REQUEST_TIMEOUT, MAX_LIST_BYTES)
+                .await
+                .map_err(ApiError::Other)?;
+            check_status(status, &body, path)?;
+            let page: List<T> = serde_json::from_slice(&body).map_err(|e| ApiError::Other(format!("{path}: {e}")))?;
+            drop(body);
+            for item in page.items.into_iter().flatten() {
+                match item {
+                    Lenient::Read(item) => items.push(item),
+                    Lenient::Unreadable(e) => unreadable.get_or_insert((0, e)).0 += 1,
+                }
+            }
+            match page.metadata.next.filter(|token| !token.is_empty()) {
+                Some(token) => next = Some(token),
+                None => {
+                    if let Some((count, first)) = unreadable {
+                        tracing::warn!(%path, count, first = %clip(&first), "objects that do not read skipped");
+                    }
+                    let version = page.metadata.resource_version.ok_or_else(|| {
+                        ApiError::Other(format!("{path}: the list has no metadata.resourceVersion"))
+                    })?;
+                    return Ok((items, version));
+                }
+            }
+        }
     }
 
     /// WATCH from `version`: each event to `event` until the server ends the watch (`Ok`), a `410` (as the status
     /// or an `ERROR` event) or another failure. `version` follows the events and bookmarks.
-    async fn watch(
+    async fn watch<T: Object>(
         &self,
         path: &str,
         query: &str,
         version: &mut String,
-        mut event: impl FnMut(Event),
+        mut event: impl FnMut(Event<T>),
     ) -> Result<(), ApiError> {
         let request = self.request(&format!(
             "{path}?{query}&watch=true&allowWatchBookmarks=true&timeoutSeconds={WATCH_SECONDS}&resourceVersion={}",
@@ -177,15 +207,16 @@ impl Api {
             };
             let Ok(data) = frame.into_data() else { continue };
             for line in lines.push(&data).map_err(|e| ApiError::Other(format!("{path}: {e}")))? {
-                match parse_event(&line) {
-                    Ok(Event::Error(status)) if status.get("code").and_then(Value::as_u64) == Some(410) => {
+                match parse_event::<T>(&line) {
+                    Ok((Event::Error(status), _)) if status.get("code").and_then(Value::as_u64) == Some(410) => {
                         return Err(ApiError::Gone)
                     }
-                    Ok(Event::Error(status)) => {
-                        return Err(ApiError::Other(format!("{path}: the watch sent an error: {status}")))
+                    Ok((Event::Error(status), _)) => {
+                        let status = clip(&status.to_string()).into_owned();
+                        return Err(ApiError::Other(format!("{path}: the watch sent an error: {status}")));
                     }
-                    Ok(e) => {
-                        if let Some(v) = e.object().and_then(resource_version) {
+                    Ok((e, seen)) => {
+                        if let Some(v) = seen {
                             *version = v;
                         }
                         event(e);
@@ -197,7 +228,13 @@ impl Api {
     }
 
     /// Follows a collection (LIST, then WATCH, again and again) until `stop`, telling `on` every change.
-    async fn follow(&self, path: &str, query: &str, stop: &mut watch::Receiver<bool>, mut on: impl FnMut(Change)) {
+    async fn follow<T: Object>(
+        &self,
+        path: &str,
+        query: &str,
+        stop: &mut watch::Receiver<bool>,
+        mut on: impl FnMut(Change<T>),
+    ) {
         let mut version: Option<String> = None;
         loop {
             let mut listed = false;
@@ -235,7 +272,7 @@ impl Api {
                 Err(ApiError::Gone) => format!("{path}: 410 Gone for the version a list just gave"),
                 Err(ApiError::Other(e)) => e,
             };
-            tracing::warn!(%error, "kubernetes discovery: retrying in {RETRY:?}");
+            tracing::warn!(error = %clip(&error), "kubernetes discovery: retrying in {RETRY:?}");
             tokio::select! {
                 () = tokio::time::sleep(RETRY) => {}
                 _ = stop.wait_for(|s| *s) => return,
@@ -252,10 +289,13 @@ fn check_status(status: StatusCode, body: &[u8], path: &str) -> Result<(), ApiEr
     if status == StatusCode::GONE {
         return Err(ApiError::Gone);
     }
-    let message = serde_json::from_slice::<Value>(body)
-        .ok()
-        .and_then(|v| v.get("message").and_then(Value::as_str).map(str::to_string))
-        .unwrap_or_default();
+    #[derive(Deserialize)]
+    struct Status {
+        #[serde(default)]
+        message: String,
+    }
+    let message = serde_json::from_slice::<Status>(body).map(|s| s.message).unwrap_or_default();
+    let message = clip(&message);
     let hint = match status {
         StatusCode::UNAUTHORIZED => " (the token is not accepted)",
         StatusCode::FORBIDDEN => " (the service account needs get, list and watch on it: deploy/kubernetes/epp.yaml)",
@@ -282,48 +322,55 @@ fn encode(value: &str) -> String {
         .collect()
 }
 
-fn resource_version(object: &Value) -> Option<String> {
-    object
-        .pointer("/metadata/resourceVersion")?
-        .as_str()
-        .map(str::to_string)
-}
-
-fn name(object: &Value) -> Option<&str> {
-    object.pointer("/metadata/name")?.as_str()
-}
-
 /// One watch event.
 #[derive(Debug, Clone, PartialEq)]
-enum Event {
-    Added(Value),
-    Modified(Value),
-    Deleted(Value),
-    Bookmark(Value),
+enum Event<T> {
+    Added(T),
+    Modified(T),
+    Deleted(T),
+    Bookmark,
+    /// An object of the collection that does not read as `T` (skipped).
+    Unreadable(String),
     /// The object is a `Status`.
     Error(Value),
 }
 
-impl Event {
-    fn object(&self) -> Option<&Value> {
-        match self {
-            Event::Added(o) | Event::Modified(o) | Event::Deleted(o) | Event::Bookmark(o) => Some(o),
-            Event::Error(_) => None,
-        }
+/// A watch event, and the resource version its object carries.
+fn parse_event<T: Object>(line: &[u8]) -> Result<(Event<T>, Option<String>), String> {
+    #[derive(Deserialize)]
+    struct Raw<'a> {
+        #[serde(rename = "type")]
+        kind: Option<String>,
+        #[serde(borrow)]
+        object: Option<&'a serde_json::value::RawValue>,
     }
-}
-
-fn parse_event(line: &[u8]) -> Result<Event, String> {
-    let mut value: Value = serde_json::from_slice(line).map_err(|e| format!("a watch event that is not JSON: {e}"))?;
-    let object = value.get_mut("object").map(Value::take).unwrap_or_default();
-    Ok(match value.get("type").and_then(Value::as_str) {
-        Some("ADDED") => Event::Added(object),
-        Some("MODIFIED") => Event::Modified(object),
-        Some("DELETED") => Event::Deleted(object),
-        Some("BOOKMARK") => Event::Bookmark(object),
-        Some("ERROR") => Event::Error(object),
+    #[derive(Deserialize)]
+    struct WithMeta {
+        #[serde(default)]
+        metadata: Meta,
+    }
+    let raw: Raw<'_> = serde_json::from_slice(line).map_err(|e| format!("a watch event that is not JSON: {e}"))?;
+    let object = raw.object.map_or("{}", |o| o.get());
+    let kind = raw.kind.as_deref();
+    if kind == Some("ERROR") {
+        let status = serde_json::from_str(object).unwrap_or_default();
+        return Ok((Event::Error(status), None));
+    }
+    let version = serde_json::from_str::<WithMeta>(object)
+        .ok()
+        .and_then(|o| o.metadata.resource_version);
+    let read = || match serde_json::from_str::<T>(object) {
+        Ok(object) => Ok(object),
+        Err(e) => Err(Event::Unreadable(e.to_string())),
+    };
+    let event = match kind {
+        Some("ADDED") => read().map_or_else(|e| e, Event::Added),
+        Some("MODIFIED") => read().map_or_else(|e| e, Event::Modified),
+        Some("DELETED") => read().map_or_else(|e| e, Event::Deleted),
+        Some("BOOKMARK") => Event::Bookmark,
         other => return Err(format!("a watch event of type {other:?}")),
-    })
+    };
+    Ok((event, version))
 }
 
 /// The watch body split into lines, each at most [`MAX_EVENT_BYTES`].
@@ -354,22 +401,20 @@ impl Lines {
 
 /// What a followed collection did.
 #[derive(Debug, Clone, PartialEq)]
-enum Change {
+enum Change<T> {
     /// A LIST: these are all the objects now.
-    Listed(Vec<Value>),
-    Event(Event),
+    Listed(Vec<T>),
+    Event(Event<T>),
 }
 
-/// The objects of a followed collection by name, each with what it gives.
-#[derive(Debug)]
-struct Objects<T> {
-    by_name: BTreeMap<String, T>,
-    /// What an object gives.
-    read: fn(&Value) -> T,
+/// The objects of a followed collection by name, each with what it gives (`read`).
+struct Objects<O, F> {
+    by_name: BTreeMap<String, O>,
+    read: F,
 }
 
-impl<T> Objects<T> {
-    fn new(read: fn(&Value) -> T) -> Self {
+impl<O, F> Objects<O, F> {
+    fn new(read: F) -> Self {
         Self {
             by_name: BTreeMap::new(),
             read,
@@ -377,157 +422,70 @@ impl<T> Objects<T> {
     }
 
     /// Applies `change`; whether anything but a bookmark came.
-    fn apply(&mut self, change: Change) -> bool {
+    fn apply<T: Object>(&mut self, change: Change<T>) -> bool
+    where
+        F: Fn(&T) -> O,
+    {
+        let name = |o: &T| o.meta().name.clone();
         match change {
             Change::Listed(items) => {
                 self.by_name = items
                     .iter()
-                    .filter_map(|o| Some((name(o)?.to_string(), (self.read)(o))))
+                    .filter_map(|o| Some((name(o)?, (self.read)(o))))
                     .collect();
             }
             Change::Event(Event::Added(o) | Event::Modified(o)) => {
                 if let Some(n) = name(&o) {
-                    self.by_name.insert(n.to_string(), (self.read)(&o));
+                    self.by_name.insert(n, (self.read)(&o));
                 }
             }
             Change::Event(Event::Deleted(o)) => {
                 if let Some(n) = name(&o) {
-                    self.by_name.remove(n);
+                    self.by_name.remove(&n);
                 }
             }
-            Change::Event(Event::Bookmark(_) | Event::Error(_)) => return false,
+            Change::Event(Event::Unreadable(e)) => {
+                tracing::debug!(error = %clip(&e), "a watched object that does not read: skipped");
+                return false;
+            }
+            Change::Event(Event::Bookmark | Event::Error(_)) => return false,
         }
         true
     }
 }
 
-/// A Pod's address, when it counts: Ready, with an IP, not being deleted.
-fn pod_address(pod: &Value) -> Option<IpAddr> {
-    if pod.pointer("/metadata/deletionTimestamp").is_some_and(|v| !v.is_null()) {
-        return None;
-    }
-    let ready = pod.pointer("/status/conditions")?.as_array()?.iter().any(|c| {
-        c.get("type").and_then(Value::as_str) == Some("Ready")
-            && c.get("status").and_then(Value::as_str) == Some("True")
+/// Follows a collection of `T` (each object giving an `O` through `read`), publishing its objects through
+/// `publish` at most every [`PUBLISH_EVERY`] while they change, until `stop`.
+async fn follow_collection<T: Object, O>(
+    api: &Api,
+    path: &str,
+    query: &str,
+    stop: &mut watch::Receiver<bool>,
+    read: impl Fn(&T) -> O,
+    mut publish: impl FnMut(&BTreeMap<String, O>),
+) {
+    // The objects, and whether they changed since they were last published.
+    let objects = Mutex::new((Objects::new(read), false));
+    let lock = || objects.lock().unwrap_or_else(|e| e.into_inner());
+    let following = api.follow(path, query, stop, |change| {
+        let mut objects = lock();
+        if objects.0.apply(change) {
+            objects.1 = true;
+        }
     });
-    if !ready {
-        return None;
-    }
-    pod.pointer("/status/podIP")?.as_str()?.parse().ok()
-}
-
-fn annotations(object: &Value) -> BTreeMap<String, String> {
-    object
-        .pointer("/metadata/annotations")
-        .and_then(Value::as_object)
-        .map(|map| {
-            map.iter()
-                .filter_map(|(k, v)| Some((k.clone(), v.as_str()?.to_string())))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
-/// The workers of a Pod at `ports`; none when it does not count or its annotations do not parse (logged).
-fn pod_workers(pod: &Value, ports: &[u16], template: &WorkerTemplate) -> Vec<WorkerConfig> {
-    let Some(ip) = pod_address(pod) else { return Vec::new() };
-    let annotations = annotations(pod);
-    ports
-        .iter()
-        .filter_map(|&port| match template.worker(ip, port, &annotations) {
-            Ok(worker) => Some(worker),
-            Err(e) => {
-                tracing::warn!(pod = name(pod).unwrap_or("?"), error = %e, "pod skipped");
-                None
+    let mut following = std::pin::pin!(following);
+    let mut ticker = tokio::time::interval(PUBLISH_EVERY);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = &mut following => return,
+            _ = ticker.tick() => {
+                let mut objects = lock();
+                if std::mem::take(&mut objects.1) {
+                    publish(&objects.0.by_name);
+                }
             }
-        })
-        .collect()
-}
-
-/// The ready, not terminating endpoints of an EndpointSlice, with the port chosen.
-fn slice_addresses(slice: &Value, port_name: Option<&str>) -> Vec<(IpAddr, u16)> {
-    let ports = slice
-        .get("ports")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    let port = ports
-        .iter()
-        .find(|p| port_name.is_none_or(|n| p.get("name").and_then(Value::as_str) == Some(n)))
-        .and_then(|p| p.get("port")?.as_u64())
-        .and_then(|p| u16::try_from(p).ok())
-        .filter(|&p| p > 0);
-    let Some(port) = port else { return Vec::new() };
-    let endpoints = slice
-        .get("endpoints")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default();
-    endpoints
-        .iter()
-        .filter(|e| {
-            let condition = |c: &str| e.pointer(&format!("/conditions/{c}")).and_then(Value::as_bool);
-            // As kube-proxy reads them: unset `ready` is ready; a terminating endpoint is drained.
-            condition("ready") != Some(false) && condition("terminating") != Some(true)
-        })
-        // "Consumers must use the first address" (EndpointSlice API).
-        .filter_map(|e| e.pointer("/addresses/0")?.as_str()?.parse().ok())
-        .map(|ip| (ip, port))
-        .collect()
-}
-
-/// An InferencePool's selector and target ports.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct PoolSpec {
-    match_labels: BTreeMap<String, String>,
-    ports: Vec<u16>,
-}
-
-impl PoolSpec {
-    /// Reads `spec.selector.matchLabels` and `spec.targetPorts[].number` of an `inference.networking.k8s.io/v1`
-    /// InferencePool.
-    fn read(pool: &Value) -> Result<Self, String> {
-        let labels = pool
-            .pointer("/spec/selector/matchLabels")
-            .and_then(Value::as_object)
-            .ok_or("spec.selector.matchLabels is missing")?;
-        let match_labels: BTreeMap<String, String> = labels
-            .iter()
-            .map(|(k, v)| {
-                Ok((
-                    k.clone(),
-                    v.as_str().ok_or("a label value is not a string")?.to_string(),
-                ))
-            })
-            .collect::<Result<_, String>>()?;
-        if match_labels.is_empty() {
-            return Err("spec.selector.matchLabels is empty".into());
         }
-        let ports: Vec<u16> = pool
-            .pointer("/spec/targetPorts")
-            .and_then(Value::as_array)
-            .ok_or("spec.targetPorts is missing")?
-            .iter()
-            .map(|p| {
-                p.get("number")
-                    .and_then(Value::as_u64)
-                    .and_then(|n| u16::try_from(n).ok())
-                    .filter(|&n| n > 0)
-                    .ok_or("a target port's number is not a port")
-            })
-            .collect::<Result<_, _>>()?;
-        if ports.is_empty() {
-            return Err("spec.targetPorts is empty".into());
-        }
-        Ok(Self { match_labels, ports })
-    }
-
-    fn selector(&self) -> String {
-        self.match_labels
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",")
     }
 }
 
@@ -547,38 +505,35 @@ pub async fn run(
         }
         Watched::EndpointSlices { selector, port_name } => {
             let path = format!("/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices");
-            let mut slices = Objects::new(|s| s.clone());
-            api.follow(
-                &path,
-                &format!("labelSelector={}", encode(selector)),
-                &mut stop,
-                |change| {
-                    if slices.apply(change) {
-                        let mut all = Found::new();
-                        for slice in slices.by_name.values() {
-                            for (ip, port) in slice_addresses(slice, port_name) {
-                                match template.worker(ip, port, &BTreeMap::new()) {
-                                    Ok(w) => drop(all.insert(w.url.clone(), w)),
-                                    Err(e) => tracing::warn!(error = %e, "endpoint skipped"),
-                                }
-                            }
-                        }
-                        found.send_replace(Some(all));
+            let query = format!("labelSelector={}", encode(selector));
+            let read = |slice: &EndpointSlice| slice_addresses(slice, port_name);
+            let publish = |slices: &BTreeMap<String, Vec<(IpAddr, u16)>>| {
+                let mut all = Found::new();
+                let mut skipped: Option<(usize, String)> = None;
+                for (ip, port) in slices.values().flatten() {
+                    match template.worker(*ip, *port, &BTreeMap::new()) {
+                        Ok(w) => drop(all.insert(w.url.clone(), w)),
+                        Err(e) => skipped.get_or_insert((0, e)).0 += 1,
                     }
-                },
-            )
-            .await;
+                }
+                if let Some((count, first)) = skipped {
+                    tracing::warn!(count, first = %first, "endpoints skipped");
+                }
+                found.send_replace(Some(all));
+            };
+            follow_collection(&api, &path, &query, &mut stop, read, publish).await;
         }
         Watched::InferencePool(pool) => {
             let path = format!("/apis/{INFERENCE_POOL_API}/namespaces/{ns}/inferencepools");
             let query = format!("fieldSelector={}", encode(&format!("metadata.name={pool}")));
             // The pool's spec (None: no such pool, or one that does not read); its Pods follow it.
             let (spec_tx, mut spec_rx) = watch::channel(None::<PoolSpec>);
-            let mut pools = Objects::new(|p| {
-                PoolSpec::read(p).map_err(|e| format!("inferencepool {}: {e}", name(p).unwrap_or("?")))
+            let mut pools = Objects::new(|p: &Pool| {
+                let name = p.metadata.name.as_deref().unwrap_or("?");
+                PoolSpec::read(p).map_err(|e| format!("inferencepool {name}: {e}"))
             });
             let mut stop_pools = stop.clone();
-            let follow_pool = api.follow(&path, &query, &mut stop_pools, |change| {
+            let follow_pool = api.follow(&path, &query, &mut stop_pools, |change: Change<Pool>| {
                 if pools.apply(change) {
                     let spec = match pools.by_name.get(pool) {
                         Some(Ok(spec)) => Some(spec.clone()),
@@ -645,19 +600,13 @@ async fn follow_pods(
     found: &watch::Sender<Option<Found>>,
     stop: &mut watch::Receiver<bool>,
 ) {
-    let mut pods = Objects::new(|p| p.clone());
-    api.follow(path, &format!("labelSelector={}", encode(selector)), stop, |change| {
-        if pods.apply(change) {
-            let all: Found = pods
-                .by_name
-                .values()
-                .flat_map(|pod| pod_workers(pod, ports, template))
-                .map(|w| (w.url.clone(), w))
-                .collect();
-            found.send_replace(Some(all));
-        }
-    })
-    .await;
+    let query = format!("labelSelector={}", encode(selector));
+    let read = |pod: &Pod| pod_workers(pod, ports, template);
+    let publish = |pods: &BTreeMap<String, Vec<crate::worker_config::WorkerConfig>>| {
+        let all: Found = pods.values().flatten().map(|w| (w.url.clone(), w.clone())).collect();
+        found.send_replace(Some(all));
+    };
+    follow_collection(api, path, &query, stop, read, publish).await;
 }
 
 #[cfg(test)]

@@ -16,7 +16,7 @@ fn watch_lines_are_split_across_frames_and_bounded() {
         .unwrap();
     assert_eq!(out, [Bytes::from_static(b"{\"type\":\"ADDED\",\"object\":{}}")]);
     let out = lines.push(&Bytes::from_static(b",\"object\":{}}\n")).unwrap();
-    assert_eq!(parse_event(&out[0]).unwrap(), Event::Bookmark(json!({})));
+    assert!(matches!(parse_event::<Pod>(&out[0]).unwrap().0, Event::Bookmark));
     let mut endless = Lines::default();
     let chunk = Bytes::from(vec![b'x'; 1 << 20]);
     let error = (0..20)
@@ -30,16 +30,50 @@ fn watch_lines_are_split_across_frames_and_bounded() {
 fn events_of_every_type_parse_and_others_do_not() {
     let status = json!({"kind": "Status", "code": 410});
     let line = json!({"type": "ERROR", "object": status}).to_string();
-    assert_eq!(parse_event(line.as_bytes()).unwrap(), Event::Error(status));
-    assert!(parse_event(br#"{"type":"DELETED","object":{"metadata":{"name":"a"}}}"#).is_ok());
-    assert!(parse_event(br#"{"type":"SYNC","object":{}}"#).is_err());
-    assert!(parse_event(b"not json").is_err());
+    assert!(matches!(parse_event::<Pod>(line.as_bytes()).unwrap().0, Event::Error(s) if s == status));
+    let (deleted, version) =
+        parse_event::<Pod>(br#"{"type":"DELETED","object":{"metadata":{"name":"a","resourceVersion":"7"}}}"#).unwrap();
+    assert!(matches!(deleted, Event::Deleted(p) if p.metadata.name.as_deref() == Some("a")));
+    assert_eq!(version.as_deref(), Some("7"));
+    let (bookmark, version) =
+        parse_event::<Pod>(br#"{"type":"BOOKMARK","object":{"metadata":{"resourceVersion":"9"}}}"#).unwrap();
+    assert!(matches!(bookmark, Event::Bookmark));
+    assert_eq!(version.as_deref(), Some("9"));
+    // An object that does not read as a Pod is skipped, its version still followed.
+    let (odd, version) =
+        parse_event::<Pod>(br#"{"type":"ADDED","object":{"metadata":{"resourceVersion":"10"},"status":7}}"#).unwrap();
+    assert!(matches!(odd, Event::Unreadable(_)), "{odd:?}");
+    assert_eq!(version.as_deref(), Some("10"));
+    assert!(parse_event::<Pod>(br#"{"type":"SYNC","object":{}}"#).is_err());
+    assert!(parse_event::<Pod>(b"not json").is_err());
+}
+
+/// A LIST page keeps what reads and skips what does not, whatever else the objects carry.
+#[test]
+fn list_pages_read_only_the_fields_discovery_uses() {
+    let page = json!({
+        "metadata": {"resourceVersion": "5", "continue": "next"},
+        "items": [
+            {"metadata": {"name": "a", "managedFields": [{"x": "y".repeat(1000)}]}, "spec": {"containers": []},
+             "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True", "reason": "r"}]}},
+            {"metadata": {"name": 7}},
+        ],
+    });
+    let list: crate::kubernetes_objects::List<Pod> = serde_json::from_value(page).unwrap();
+    assert_eq!(list.metadata.next.as_deref(), Some("next"));
+    let items = list.items.unwrap();
+    assert!(matches!(&items[0], crate::kubernetes_objects::Lenient::Read(p) if pod_address(p).is_some()));
+    assert!(matches!(&items[1], crate::kubernetes_objects::Lenient::Unreadable(_)));
+}
+
+fn pod(value: serde_json::Value) -> Pod {
+    serde_json::from_value(value).unwrap()
 }
 
 #[test]
 fn a_pod_counts_while_ready_with_an_ip_and_not_deleting() {
     let ready = json!({"metadata": {"name": "a"}, "status": {"podIP": "10.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}});
-    assert_eq!(pod_address(&ready), Some(IpAddr::from([10, 0, 0, 1])));
+    assert_eq!(pod_address(&pod(ready.clone())), Some(IpAddr::from([10, 0, 0, 1])));
     let mut not_ready = ready.clone();
     not_ready["status"]["conditions"][0]["status"] = json!("False");
     let mut no_ip = ready.clone();
@@ -47,19 +81,20 @@ fn a_pod_counts_while_ready_with_an_ip_and_not_deleting() {
     let mut deleting = ready.clone();
     deleting["metadata"]["deletionTimestamp"] = json!("2026-12-01T00:00:00Z");
     let pending = json!({"metadata": {"name": "a"}, "status": {"phase": "Pending"}});
-    for pod in [not_ready, no_ip, deleting, pending] {
-        assert_eq!(pod_address(&pod), None, "{pod}");
+    for value in [not_ready, no_ip, deleting, pending] {
+        assert_eq!(pod_address(&pod(value.clone())), None, "{value}");
     }
     let mut bad = ready.clone();
     bad["metadata"]["annotations"] = json!({"dprouter.io/dp-size": "many"});
-    assert!(pod_workers(&bad, &[8000], &WorkerTemplate::default()).is_empty());
-    assert_eq!(pod_workers(&ready, &[8000, 8001], &WorkerTemplate::default()).len(), 2);
+    assert!(pod_workers(&pod(bad), &[8000], &WorkerTemplate::default()).is_empty());
+    assert_eq!(pod_workers(&pod(ready), &[8000, 8001], &WorkerTemplate::default()).len(), 2);
 }
 
 #[test]
 fn an_inference_pool_needs_labels_and_target_ports() {
     let pool = json!({"spec": {"selector": {"matchLabels": {"app": "llama", "tier": "gpu"}}, "targetPorts": [{"number": 8000}]}});
-    let spec = PoolSpec::read(&pool).unwrap();
+    let read = |value: serde_json::Value| PoolSpec::read(&serde_json::from_value(value).unwrap());
+    let spec = read(pool).unwrap();
     assert_eq!(spec.ports, [8000]);
     assert_eq!(spec.selector(), "app=llama,tier=gpu");
     for bad in [
@@ -69,7 +104,7 @@ fn an_inference_pool_needs_labels_and_target_ports() {
         json!({"spec": {"selector": {"matchLabels": {"app": "x"}}, "targetPorts": [{"number": 70000}]}}),
         json!({"spec": {"selector": {"matchLabels": {"app": 1}}, "targetPorts": [{"number": 8000}]}}),
     ] {
-        assert!(PoolSpec::read(&bad).is_err(), "{bad}");
+        assert!(read(bad.clone()).is_err(), "{bad}");
     }
 }
 

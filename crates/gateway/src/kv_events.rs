@@ -34,7 +34,7 @@
 //! A worker added at run time (`POST /workers`) with `kv_events` gets its feeds within a second, and a removed one's
 //! stop and leave `/kv_events`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -143,7 +143,7 @@ fn supervise(
     mut stop: watch::Receiver<bool>,
     block_tokens: usize,
 ) -> impl std::future::Future<Output = ()> {
-    let mut feeds: HashMap<EndpointId, JoinHandle<()>> = HashMap::new();
+    let mut feeds: HashMap<EndpointId, Running> = HashMap::new();
     reconcile(&parts, &mut feeds, block_tokens);
     async move {
         let mut ticker = tokio::time::interval(RECONNECT);
@@ -154,17 +154,24 @@ fn supervise(
             }
             reconcile(&parts, &mut feeds, block_tokens);
         }
-        for task in feeds.into_values() {
-            task.abort();
+        for running in feeds.into_values() {
+            running.task.abort();
         }
     }
 }
 
+/// A feed's task, and the models its events are delivered to (its worker's, when the feed started).
+struct Running {
+    task: JoinHandle<()>,
+    models: Arc<[String]>,
+}
+
 /// Starts a feed (listed at once, not connected) for each present endpoint with events that has none, and stops
-/// those of endpoints gone.
-fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<()>>, block_tokens: usize) {
+/// those of endpoints gone. A feed whose worker's models changed (a worker found by discovery says what it serves
+/// at its first probe) starts again, delivering to them.
+fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, Running>, block_tokens: usize) {
     let membership = parts.registry.membership();
-    let mut present = Vec::new();
+    let mut present = HashSet::new();
     for target in &membership.targets {
         let Some(worker) = target.events.as_deref() else {
             continue;
@@ -178,9 +185,11 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<
         let Some(publisher) = endpoints.for_rank(rank) else {
             continue;
         };
-        present.push(target.id);
-        if feeds.contains_key(&target.id) {
-            continue;
+        present.insert(target.id);
+        match feeds.get(&target.id) {
+            Some(running) if running.models == target.models => continue,
+            Some(running) => running.task.abort(),
+            None => {}
         }
         let replay = worker.kv_events_replay.as_ref().and_then(|e| e.for_rank(rank));
         let feed = Feed {
@@ -193,12 +202,16 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, JoinHandle<
             follow: kv_feed::Feed::new(block_tokens, MAX_ENGINE_BLOCKS),
         };
         feed.status(|_| {});
-        feeds.insert(target.id, tokio::spawn(feed.run()));
+        let running = Running {
+            task: tokio::spawn(feed.run()),
+            models: Arc::clone(&target.models),
+        };
+        feeds.insert(target.id, running);
     }
-    feeds.retain(|id, task| {
+    feeds.retain(|id, running| {
         let keep = present.contains(id);
         if !keep {
-            task.abort();
+            running.task.abort();
             lock(&parts.feeds).remove(id);
         }
         keep

@@ -46,6 +46,7 @@ use tokio::time::Instant;
 use crate::config::ServerConfig;
 use crate::drain_deadline::DrainDeadline;
 use crate::in_flight::WithGuard;
+use crate::throttled::Throttled;
 use crate::parse_errors::JsonParseErrors;
 
 /// Under pressure (no free connection slot, or no file descriptor), connections idle at least this long are
@@ -55,8 +56,6 @@ const REAP_MIN_IDLE: Duration = Duration::from_secs(1);
 const PRESSURE_RETRY: Duration = Duration::from_millis(250);
 /// The accept loop's pause after an error other than a client's aborted connection (e.g. `EMFILE`).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
-/// Accept errors and "at max_connections" are logged at most this often.
-const LOG_EVERY: Duration = Duration::from_secs(5);
 /// After the drain deadline, how long the connections still open get to close before `serve` returns anyway.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// At the drain deadline, how long a connection gets to write the end of a stream cut there.
@@ -553,32 +552,6 @@ impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
     }
 }
 
-/// Logs at most once per [`LOG_EVERY`], counting what it skipped.
-struct Throttled {
-    last: Option<Instant>,
-    suppressed: u64,
-}
-
-impl Throttled {
-    fn new() -> Self {
-        Self {
-            last: None,
-            suppressed: 0,
-        }
-    }
-
-    /// `Some(skipped since the last log)` when it is time to log again.
-    fn ready(&mut self) -> Option<u64> {
-        let now = Instant::now();
-        if self.last.is_some_and(|last| now.duration_since(last) < LOG_EVERY) {
-            self.suppressed += 1;
-            return None;
-        }
-        self.last = Some(now);
-        Some(std::mem::take(&mut self.suppressed))
-    }
-}
-
 /// Warns at start when `max_connections` clients plus `max_in_flight` upstream connections would not fit under
 /// the process's open-file limit (Linux: read from `/proc/self/limits`).
 fn warn_if_short_of_fds(config: &ServerConfig) {
@@ -800,15 +773,5 @@ mod tests {
         if cfg!(target_os = "linux") {
             assert!(open_files_limit().is_some_and(|n| n > 0));
         }
-    }
-
-    #[test]
-    fn throttled_logs_once_per_period() {
-        let mut log = Throttled::new();
-        assert_eq!(log.ready(), Some(0));
-        assert_eq!(log.ready(), None);
-        assert_eq!(log.ready(), None);
-        log.last = Some(Instant::now() - LOG_EVERY);
-        assert_eq!(log.ready(), Some(2));
     }
 }

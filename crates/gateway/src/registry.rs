@@ -217,6 +217,9 @@ pub struct WorkerState {
     /// Where its ranks publish KV events, when it was given them.
     pub events: Option<Arc<WorkerEvents>>,
     pub endpoints: Vec<Arc<EndpointState>>,
+    /// Found by discovery and not probed yet (its description, to ask its models when its first probe passes):
+    /// not routable until then ([`Registry::admit`]).
+    pub unprobed: Option<WorkerConfig>,
     active_healthy: AtomicBool,
     /// A request failed to reach it since its last probe: one failed probe confirms it is down.
     suspect: AtomicBool,
@@ -225,6 +228,42 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
+    fn new(id: WorkerId, config: &WorkerConfig, admission: Admission) -> Self {
+        let (info, unprobed) = match admission {
+            Admission::Ready(info) => (info, None),
+            Admission::Unprobed => {
+                let info = WorkerInfo {
+                    dp_size: config.dp_size.unwrap_or(1),
+                    kv_capacity: None,
+                    models: config.models.clone(),
+                };
+                (info, Some(config.clone()))
+            }
+        };
+        Self {
+            id,
+            url: config.url.trim_end_matches('/').to_string(),
+            backend: config.backend,
+            rank_field: config.rank_field,
+            kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
+            models: info.models.into(),
+            events: config.events().map(Arc::new),
+            endpoints: (0..info.dp_size)
+                .map(|rank| {
+                    Arc::new(EndpointState::new(EndpointId {
+                        worker: id,
+                        dp_rank: rank,
+                    }))
+                })
+                .collect(),
+            active_healthy: AtomicBool::new(unprobed.is_none()),
+            unprobed,
+            suspect: AtomicBool::new(false),
+            probe_failures: AtomicU32::new(0),
+            probe_successes: AtomicU32::new(0),
+        }
+    }
+
     pub fn active_healthy(&self) -> bool {
         self.active_healthy.load(Relaxed)
     }
@@ -259,8 +298,75 @@ impl Failure {
     }
 }
 
+/// How a worker joins the registry.
+#[derive(Debug, Clone)]
+pub enum Admission {
+    /// Its ranks and models were asked already (the config file, `POST /workers`): routable at once.
+    Ready(WorkerInfo),
+    /// Found by discovery and not asked yet (its rank count is known: configured, or one): not routable until its
+    /// first health probe passes, when its models and capacity are asked ([`Registry::admit`]).
+    Unprobed,
+}
+
+/// The workers, in the order they were added (so by ascending id), and an index of their URLs.
+#[derive(Default)]
+struct Workers {
+    list: Vec<Arc<WorkerState>>,
+    /// Each worker's id by its URL's canonical key ([`crate::config::worker_url_key`]).
+    by_url: std::collections::HashMap<String, WorkerId>,
+}
+
+impl Workers {
+    fn position(&self, id: WorkerId) -> Option<usize> {
+        self.list.binary_search_by_key(&id, |w| w.id).ok()
+    }
+
+    fn get(&self, id: WorkerId) -> Option<&Arc<WorkerState>> {
+        self.position(id).map(|i| &self.list[i])
+    }
+}
+
+impl std::ops::Deref for Workers {
+    type Target = [Arc<WorkerState>];
+
+    fn deref(&self) -> &Self::Target {
+        &self.list
+    }
+}
+
+/// Workers whose health changed in one batch of probes, logged one by one when few and summed up when many (a
+/// fleet of dead endpoints must not write a line each).
+#[derive(Default)]
+struct Changes {
+    up: Vec<String>,
+    down: Vec<String>,
+}
+
+impl Changes {
+    /// Lines logged one by one at most.
+    const ONE_BY_ONE: usize = 3;
+
+    fn log(&self) {
+        if self.up.len() <= Self::ONE_BY_ONE {
+            for url in &self.up {
+                tracing::info!(worker = %url, "worker healthy");
+            }
+        } else {
+            tracing::info!(workers = self.up.len(), first = ?&self.up[..Self::ONE_BY_ONE], "workers healthy");
+        }
+        if self.down.len() <= Self::ONE_BY_ONE {
+            for url in &self.down {
+                tracing::warn!(worker = %url, "worker failed its health checks: marked down");
+            }
+        } else {
+            tracing::warn!(workers = self.down.len(), first = ?&self.down[..Self::ONE_BY_ONE],
+                           "workers failed their health checks: marked down");
+        }
+    }
+}
+
 pub struct Registry {
-    workers: Mutex<Vec<Arc<WorkerState>>>,
+    workers: Mutex<Workers>,
     next_worker: AtomicU32,
     membership: ArcSwap<Membership>,
     health: HealthConfig,
@@ -271,7 +377,7 @@ pub struct Registry {
 impl Registry {
     pub fn new(health: HealthConfig) -> Self {
         Self {
-            workers: Mutex::new(Vec::new()),
+            workers: Mutex::new(Workers::default()),
             next_worker: AtomicU32::new(0),
             membership: ArcSwap::from_pointee(Membership::default()),
             health,
@@ -279,7 +385,7 @@ impl Registry {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Vec<Arc<WorkerState>>> {
+    fn lock(&self) -> MutexGuard<'_, Workers> {
         self.workers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -289,12 +395,17 @@ impl Registry {
     }
 
     pub fn workers(&self) -> Vec<Arc<WorkerState>> {
-        self.lock().clone()
+        self.lock().list.clone()
+    }
+
+    /// The worker registered under `url`'s canonical key ([`crate::config::worker_url_key`]), if any.
+    pub fn registered(&self, url: &str) -> Option<WorkerId> {
+        self.lock().by_url.get(&crate::config::worker_url_key(url)).copied()
     }
 
     /// The workers of one backend.
     pub fn workers_of(&self, backend: Backend) -> Vec<Arc<WorkerState>> {
-        self.lock().iter().filter(|w| w.backend == backend).cloned().collect()
+        self.lock().list.iter().filter(|w| w.backend == backend).cloned().collect()
     }
 
     /// Completes when a request failure asks for a probe round now.
@@ -302,85 +413,143 @@ impl Registry {
         self.probe_now.notified().await;
     }
 
-    /// Adds a discovered worker (healthy until proven otherwise) and returns its id.
-    pub fn add_worker(&self, config: &WorkerConfig, info: WorkerInfo) -> WorkerId {
-        let id = WorkerId(self.next_worker.fetch_add(1, Relaxed));
-        let worker = Arc::new(WorkerState {
-            id,
-            url: config.url.trim_end_matches('/').to_string(),
-            backend: config.backend,
-            rank_field: config.rank_field,
-            kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
-            models: info.models.into(),
-            events: config.events().map(Arc::new),
-            endpoints: (0..info.dp_size)
-                .map(|rank| {
-                    Arc::new(EndpointState::new(EndpointId {
-                        worker: id,
-                        dp_rank: rank,
-                    }))
-                })
-                .collect(),
-            active_healthy: AtomicBool::new(true),
-            suspect: AtomicBool::new(false),
-            probe_failures: AtomicU32::new(0),
-            probe_successes: AtomicU32::new(0),
-        });
+    /// Adds a worker whose ranks and models were asked ([`Admission::Ready`]); its id, or that of the worker already
+    /// registered under the same URL.
+    pub fn add_worker(&self, config: &WorkerConfig, info: WorkerInfo) -> Result<WorkerId, WorkerId> {
+        let mut added = self.add_workers(vec![(config.clone(), Admission::Ready(info))]);
+        added.pop().expect("one result per worker")
+    }
+
+    /// Adds workers in one membership change (one snapshot rebuild however many): for each, its id, or that of
+    /// the worker already registered under the same URL (in any spelling, or earlier in `batch`).
+    pub fn add_workers(&self, batch: Vec<(WorkerConfig, Admission)>) -> Vec<Result<WorkerId, WorkerId>> {
         let mut workers = self.lock();
-        workers.push(worker);
-        self.rebuild(&workers);
-        id
+        let mut results = Vec::with_capacity(batch.len());
+        let mut unprobed = false;
+        for (config, admission) in batch {
+            let key = crate::config::worker_url_key(&config.url);
+            if let Some(&existing) = workers.by_url.get(&key) {
+                results.push(Err(existing));
+                continue;
+            }
+            let id = WorkerId(self.next_worker.fetch_add(1, Relaxed));
+            unprobed |= matches!(admission, Admission::Unprobed);
+            workers.by_url.insert(key, id);
+            workers.list.push(Arc::new(WorkerState::new(id, &config, admission)));
+            results.push(Ok(id));
+        }
+        if results.iter().any(Result::is_ok) {
+            self.rebuild(&workers);
+        }
+        if unprobed {
+            // Probed now rather than at their turn in the round.
+            self.probe_now.notify_one();
+        }
+        results
     }
 
     /// Removes a worker; requests already sent to it finish. Returns whether it existed.
     pub fn remove_worker(&self, id: WorkerId) -> bool {
+        self.remove_workers(&[id]) == 1
+    }
+
+    /// Removes workers in one membership change; requests already sent to them finish. Returns how many existed.
+    pub fn remove_workers(&self, ids: &[WorkerId]) -> usize {
+        let gone: std::collections::HashSet<WorkerId> = ids.iter().copied().collect();
         let mut workers = self.lock();
-        let before = workers.len();
-        workers.retain(|w| w.id != id);
-        let removed = workers.len() != before;
-        if removed {
+        let before = workers.list.len();
+        workers.list.retain(|w| !gone.contains(&w.id));
+        let removed = before - workers.list.len();
+        if removed > 0 {
+            workers.by_url.retain(|_, id| !gone.contains(id));
             self.rebuild(&workers);
         }
         removed
     }
 
-    /// Records one active probe of `worker`.
-    pub fn record_probe(&self, worker: WorkerId, ok: bool) {
-        let workers = self.lock();
-        let Some(w) = workers.iter().find(|w| w.id == worker) else {
-            return;
-        };
-        let suspect = w.suspect.swap(false, Relaxed);
-        let changed = if ok {
-            w.probe_failures.store(0, Relaxed);
-            let streak = w.probe_successes.fetch_add(1, Relaxed) + 1;
-            if streak >= self.health.success_threshold && !w.active_healthy() {
-                w.active_healthy.store(true, Relaxed);
-                // The worker was down and is back (a restart, most often): what its endpoints failed before says
-                // nothing about them now, so their ejections end with it (as Envoy's
-                // `successful_active_health_check_uneject_host`; a worker that stays up keeps them).
-                for e in &w.endpoints {
-                    e.readmit();
-                }
-                tracing::info!(worker = %w.url, "worker healthy");
-                true
-            } else {
-                false
-            }
-        } else {
-            w.probe_successes.store(0, Relaxed);
-            let streak = w.probe_failures.fetch_add(1, Relaxed) + 1;
-            if (streak >= self.health.failure_threshold || suspect) && w.active_healthy() {
-                w.active_healthy.store(false, Relaxed);
-                tracing::warn!(worker = %w.url, "worker failed {streak} health checks: marked down");
-                true
-            } else {
-                false
-            }
-        };
-        if changed {
+    /// A worker found by discovery passed its first probe and answered what it serves: routable from now on, with
+    /// its models and capacity. Returns whether it was waiting for that.
+    pub fn admit(&self, id: WorkerId, info: WorkerInfo) -> bool {
+        self.admit_all(vec![(id, info)]) == 1
+    }
+
+    /// [`Registry::admit`] for many workers in one membership change; how many were waiting.
+    pub fn admit_all(&self, admitted: Vec<(WorkerId, WorkerInfo)>) -> usize {
+        let mut workers = self.lock();
+        let mut count = 0;
+        for (id, info) in admitted {
+            let Some(i) = workers.position(id) else {
+                continue;
+            };
+            let old = &workers.list[i];
+            let Some(config) = old.unprobed.clone() else {
+                continue;
+            };
+            let mut ready = WorkerState::new(id, &config, Admission::Ready(info));
+            // The same endpoints (their load and outlier state live on), as many as the worker was given.
+            ready.endpoints.clone_from(&old.endpoints);
+            tracing::debug!(worker = %ready.url, "worker found by discovery passed its first probe: routable");
+            workers.list[i] = Arc::new(ready);
+            count += 1;
+        }
+        if count > 0 {
             self.rebuild(&workers);
         }
+        count
+    }
+
+    /// Records one active probe of `worker`.
+    pub fn record_probe(&self, worker: WorkerId, ok: bool) {
+        self.record_probes(&[(worker, ok)]);
+    }
+
+    /// Records active probes (one snapshot rebuild for the batch, if any worker's health changed). A worker not
+    /// probed before ([`Admission::Unprobed`]) becomes routable only through [`Registry::admit`].
+    pub fn record_probes(&self, probes: &[(WorkerId, bool)]) {
+        let workers = self.lock();
+        let mut changes = Changes::default();
+        for &(worker, ok) in probes {
+            let Some(w) = workers.get(worker) else {
+                continue;
+            };
+            let suspect = w.suspect.swap(false, Relaxed);
+            if ok {
+                w.probe_failures.store(0, Relaxed);
+                let streak = w.probe_successes.fetch_add(1, Relaxed) + 1;
+                if streak >= self.health.success_threshold && !w.active_healthy() && w.unprobed.is_none() {
+                    w.active_healthy.store(true, Relaxed);
+                    // The worker was down and is back (a restart, most often): what its endpoints failed before says
+                    // nothing about them now, so their ejections end with it (as Envoy's
+                    // `successful_active_health_check_uneject_host`; a worker that stays up keeps them).
+                    for e in &w.endpoints {
+                        e.readmit();
+                    }
+                    changes.up.push(w.url.clone());
+                }
+            } else {
+                w.probe_successes.store(0, Relaxed);
+                let streak = w.probe_failures.fetch_add(1, Relaxed) + 1;
+                if (streak >= self.health.failure_threshold || suspect) && w.active_healthy() {
+                    w.active_healthy.store(false, Relaxed);
+                    changes.down.push(w.url.clone());
+                }
+            }
+        }
+        if !changes.up.is_empty() || !changes.down.is_empty() {
+            self.rebuild(&workers);
+            drop(workers);
+            changes.log();
+        }
+    }
+
+    /// Workers a request failure made suspect (a probe is due now), and workers not probed yet.
+    pub fn due_now(&self) -> Vec<Arc<WorkerState>> {
+        let workers = self.lock();
+        workers
+            .iter()
+            .filter(|w| w.suspect.load(Relaxed) || w.unprobed.is_some())
+            .cloned()
+            .collect()
     }
 
     /// A health probe of `worker` that got no answer within its timeout, at `now_us` ([`crate::clock::now_us`]):
@@ -391,7 +560,7 @@ impl Registry {
     pub fn record_slow_probe(&self, worker: WorkerId, now_us: u64) -> bool {
         let idle_window_us = self.health.interval_ms.saturating_mul(1000);
         let busy_window_us = (BUSY_GRACE.as_micros() as u64).max(idle_window_us);
-        let serving = self.lock().iter().find(|w| w.id == worker).is_some_and(|w| {
+        let serving = self.lock().get(worker).is_some_and(|w| {
             let busy = w.endpoints.iter().any(|e| e.load.in_flight_requests() > 0);
             let window_us = if busy { busy_window_us } else { idle_window_us };
             w.endpoints.iter().any(|e| {
@@ -408,7 +577,7 @@ impl Registry {
     /// Records a failed request to `endpoint` at `now` (passive health).
     pub fn record_failure(&self, endpoint: EndpointId, failure: Failure, now: Instant) {
         let workers = self.lock();
-        let Some(w) = workers.iter().find(|w| w.id == endpoint.worker) else {
+        let Some(w) = workers.get(endpoint.worker) else {
             return;
         };
         if matches!(failure, Failure::Connect | Failure::Ambiguous) {
@@ -478,8 +647,7 @@ impl Registry {
     pub fn record_success(&self, endpoint: EndpointId) {
         let found = self
             .lock()
-            .iter()
-            .find(|w| w.id == endpoint.worker)
+            .get(endpoint.worker)
             .and_then(|w| w.endpoints.iter().find(|e| e.id == endpoint).cloned());
         if let Some(e) = found {
             e.record_success();

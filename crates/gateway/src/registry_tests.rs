@@ -27,8 +27,8 @@ fn healthy(r: &Registry) -> Vec<usize> {
 #[test]
 fn workers_expand_to_endpoints_in_order() {
     let r = Registry::new(HealthConfig::default());
-    let a = r.add_worker(&worker("http://a:1/"), info(2));
-    let b = r.add_worker(&worker("http://b:1"), info(3));
+    let a = r.add_worker(&worker("http://a:1/"), info(2)).unwrap();
+    let b = r.add_worker(&worker("http://b:1"), info(3)).unwrap();
     let m = r.membership();
     assert_eq!(m.snapshot.len(), 5);
     assert_eq!(m.targets[1].base, "http://a:1");
@@ -37,6 +37,51 @@ fn workers_expand_to_endpoints_in_order() {
     assert!(r.remove_worker(a));
     assert!(!r.remove_worker(a));
     assert_eq!(r.membership().snapshot.len(), 3);
+}
+
+#[test]
+fn found_workers_join_in_one_change_and_route_only_once_admitted() {
+    let r = Registry::new(HealthConfig::default());
+    let ready = r.add_worker(&worker("http://10.0.0.1:8000"), info(1)).unwrap();
+    let found = |url: &str| WorkerConfig {
+        dp_size: Some(2),
+        ..worker(url)
+    };
+    let batch = vec![
+        (found("http://10.0.0.2:8000"), Admission::Unprobed),
+        // The same URL in another spelling, and one already registered: the ids they duplicate.
+        (found("http://10.0.0.2:8000/"), Admission::Unprobed),
+        (found("http://10.0.0.1:8000"), Admission::Unprobed),
+        (found("http://10.0.0.3:8000"), Admission::Unprobed),
+    ];
+    let before = r.membership();
+    let added = r.add_workers(batch);
+    let (a, b) = (added[0].unwrap(), added[3].unwrap());
+    assert_eq!(added[1], Err(a));
+    assert_eq!(added[2], Err(ready));
+    let m = r.membership();
+    assert!(!Arc::ptr_eq(&before, &m));
+    assert_eq!(m.snapshot.len(), 5, "the found workers' endpoints are members");
+    assert_eq!(healthy(&r), [0], "but not routable before a probe");
+    let due: Vec<WorkerId> = r.due_now().iter().map(|w| w.id).collect();
+    assert_eq!(due, [a, b]);
+    // A passing probe alone does not admit a found worker: its models are asked first.
+    r.record_probes(&[(a, true), (a, true), (b, false)]);
+    assert_eq!(healthy(&r), [0]);
+    let models = WorkerInfo {
+        models: vec!["llama".into()],
+        ..info(2)
+    };
+    assert!(r.admit(a, models.clone()));
+    assert!(!r.admit(a, models), "admitted once");
+    assert!(!r.admit(ready, info(1)), "a worker from the config is not waiting");
+    assert_eq!(healthy(&r), [0, 1, 2]);
+    assert_eq!(&*r.membership().targets[1].models, ["llama".to_string()]);
+    assert_eq!(r.registered("http://10.0.0.3:8000/"), Some(b));
+    assert_eq!(r.remove_workers(&[a, b, WorkerId(99)]), 2);
+    assert_eq!(r.registered("http://10.0.0.3:8000"), None);
+    assert_eq!(r.membership().snapshot.len(), 1);
+    assert!(r.due_now().is_empty());
 }
 
 fn config(threshold: u32) -> HealthConfig {
@@ -68,7 +113,7 @@ fn a_slow_probe_of_a_serving_worker_counts_neither_way() {
         interval_ms: 1000,
         ..HealthConfig::default()
     });
-    let w = r.add_worker(&worker("http://a:1"), info(1));
+    let w = r.add_worker(&worker("http://a:1"), info(1)).unwrap();
     let now = crate::clock::now_us() + 10_000_000;
     // Never answered a request: a slow probe is a failed one.
     for _ in 0..HealthConfig::default().failure_threshold {
@@ -97,7 +142,7 @@ fn a_slow_probe_of_a_worker_with_requests_in_flight_counts_neither_way_for_a_gra
         interval_ms: 1000,
         ..HealthConfig::default()
     });
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     r.record_success(ep(w, 1));
     let answered = r.workers()[0].endpoints[1].last_answer_us.load(Relaxed);
     let grace = BUSY_GRACE.as_micros() as u64;
@@ -123,7 +168,7 @@ fn a_slow_probe_of_a_worker_with_requests_in_flight_counts_neither_way_for_a_gra
 #[test]
 fn probes_change_worker_health() {
     let r = Registry::new(config(2));
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     r.record_probe(w, false);
     assert_eq!(healthy(&r), vec![0, 1], "one failed probe is not enough");
     r.record_probe(w, false);
@@ -137,7 +182,7 @@ fn probes_change_worker_health() {
 #[test]
 fn a_worker_back_from_down_comes_back_with_every_endpoint() {
     let r = Registry::new(config(2));
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     let t0 = Instant::now();
     // Killed: its streams broke and requests were refused before the probes took it down.
     fail(&r, ep(w, 0), 3, t0);
@@ -159,7 +204,7 @@ fn a_worker_back_from_down_comes_back_with_every_endpoint() {
 #[test]
 fn failures_eject_one_endpoint_with_doubling_back_off_and_time_readmits_it() {
     let r = Registry::new(config(2));
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     let t0 = Instant::now();
     let ms = |n: u64| t0 + Duration::from_millis(n);
     r.record_failure(ep(w, 1), Failure::Engine, t0);
@@ -210,7 +255,7 @@ fn at_most_max_ejection_percent_is_ejected() {
         max_ejection_percent: 50,
         ..config(1)
     });
-    let w = r.add_worker(&worker("http://a:1"), info(4));
+    let w = r.add_worker(&worker("http://a:1"), info(4)).unwrap();
     let now = Instant::now();
     for rank in 0..4 {
         fail(&r, ep(w, rank), 5, now);
@@ -220,7 +265,7 @@ fn at_most_max_ejection_percent_is_ejected() {
         max_ejection_percent: 10,
         ..config(1)
     });
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     fail(&r, ep(w, 0), 5, now);
     fail(&r, ep(w, 1), 5, now);
     assert_eq!(healthy(&r), vec![1], "one may always be ejected");
@@ -232,8 +277,8 @@ fn panic_mode_ignores_ejections_but_not_failed_probes() {
         panic_threshold_percent: 50,
         ..config(1)
     });
-    let a = r.add_worker(&worker("http://a:1"), info(4));
-    let b = r.add_worker(&worker("http://b:1"), info(2));
+    let a = r.add_worker(&worker("http://a:1"), info(4)).unwrap();
+    let b = r.add_worker(&worker("http://b:1"), info(2)).unwrap();
     let now = Instant::now();
     r.record_probe(b, false);
     r.record_probe(b, false);
@@ -257,7 +302,7 @@ fn panic_mode_ignores_ejections_but_not_failed_probes() {
 #[test]
 fn a_refused_connection_takes_a_worker_down_only_when_a_probe_confirms() {
     let r = Registry::new(config(3));
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     r.record_failure(ep(w, 0), Failure::Connect, Instant::now());
     assert_eq!(healthy(&r), vec![0, 1], "one refused connection downs nothing");
     r.record_probe(w, true);
@@ -277,7 +322,7 @@ fn failures_every_endpoint_sees_alike_eject_nobody_but_an_outlier_is_ejected() {
         max_ejection_percent: 50,
         ..config(3)
     });
-    let w = r.add_worker(&worker("http://a:1"), info(4));
+    let w = r.add_worker(&worker("http://a:1"), info(4)).unwrap();
     let now = Instant::now();
     // 15% of requests fail on every endpoint alike (a fixed pseudo-random sequence), 4,000 requests.
     let mut x: u64 = 7;
@@ -304,7 +349,7 @@ fn failures_every_endpoint_sees_alike_eject_nobody_but_an_outlier_is_ejected() {
 #[test]
 fn a_broken_exchange_without_an_answer_never_ejects() {
     let r = Registry::new(config(1));
-    let w = r.add_worker(&worker("http://a:1"), info(2));
+    let w = r.add_worker(&worker("http://a:1"), info(2)).unwrap();
     for _ in 0..20 {
         r.record_failure(ep(w, 0), Failure::Ambiguous, Instant::now());
     }
@@ -316,7 +361,7 @@ fn a_broken_exchange_without_an_answer_never_ejects() {
 #[test]
 fn load_counters_survive_rebuilds() {
     let r = Registry::new(config(1));
-    let w = r.add_worker(&worker("http://a:1"), info(1));
+    let w = r.add_worker(&worker("http://a:1"), info(1)).unwrap();
     let before = Arc::clone(&r.membership().snapshot.endpoints()[0].load);
     r.record_failure(EndpointId { worker: w, dp_rank: 0 }, Failure::Engine, Instant::now());
     assert!(Arc::ptr_eq(&before, &r.membership().snapshot.endpoints()[0].load));

@@ -571,7 +571,8 @@ async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value> {
 /// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.
 async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     let membership = state.registry.membership();
-    let rank_of = |id| membership.targets.iter().position(|t| t.id == id);
+    let ranks: std::collections::HashMap<_, _> = membership.targets.iter().enumerate().map(|(r, t)| (t.id, r)).collect();
+    let rank_of = |id| ranks.get(&id).copied();
     let workers: Vec<Value> = state
         .registry
         .workers()
@@ -597,7 +598,7 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                 })
                 .collect();
             json!({"id": w.id.0, "url": w.url, "backend": w.backend.as_str(), "dp_size": w.endpoints.len(),
-                   "healthy": w.active_healthy(), "endpoints": endpoints})
+                   "healthy": w.active_healthy(), "probed": w.unprobed.is_none(), "endpoints": endpoints})
         })
         .collect();
     Json(

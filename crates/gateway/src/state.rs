@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use dprouter_core::{Branch, WorkerId};
 
-use crate::config::{worker_url_key, GatewayConfig, WorkerConfig};
+use crate::config::{Backend, GatewayConfig, WorkerConfig};
 use crate::policies::Policies;
-use crate::registry::Registry;
+use crate::registry::{Admission, Registry};
 use crate::upstream::Upstream;
 
 pub struct AppState {
@@ -38,8 +38,6 @@ pub struct AppState {
     /// SGLang workers whose ranks are not known yet (down at start, no `dp_size` given): added, after the
     /// workers already serving, when they answer.
     pending: Mutex<Vec<WorkerConfig>>,
-    /// Held while a worker is checked against the registered ones and added, so one URL cannot be added twice.
-    adding: Mutex<()>,
 }
 
 /// Why the gateway could not start or add a worker.
@@ -84,7 +82,6 @@ impl AppState {
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),
             decisions: Default::default(),
             pending: Mutex::new(Vec::new()),
-            adding: Mutex::new(()),
             config,
         });
         for worker in state.config.workers.clone() {
@@ -121,24 +118,23 @@ impl AppState {
         self.lock_pending().len()
     }
 
-    /// Adds one worker at run time.
+    /// Adds one worker at run time: its ranks and models are asked first, so it is routable at once.
     pub async fn add_worker(&self, worker: &WorkerConfig) -> Result<(WorkerId, u32), StartError> {
         crate::config::validate_worker(worker)?;
         self.check_not_registered(worker)?;
-        let timeout = Duration::from_millis(self.config.health.timeout_ms.max(self.config.connect_timeout_ms));
         let info = self
             .upstream
-            .discover(worker, timeout)
+            .discover(worker, self.discover_timeout())
             .await
             .map_err(|message| StartError::Worker {
                 url: worker.url.clone(),
                 message,
             })?;
-        let adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
-        // Again: another request may have added it while this one asked the worker.
-        self.check_not_registered(worker)?;
-        let id = self.registry.add_worker(worker, info.clone());
-        drop(adding);
+        // The registry checks again, atomically: another request may have added it while this one asked.
+        let id = self.registry.add_worker(worker, info.clone()).map_err(|id| StartError::Duplicate {
+            url: worker.url.clone(),
+            id: id.0,
+        })?;
         // The capacity the worker got: the configured one, else what the engine said.
         let kv_capacity = worker.kv_capacity_tokens.or(info.kv_capacity);
         tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,
@@ -146,13 +142,50 @@ impl AppState {
         Ok((id, info.dp_size))
     }
 
-    /// A worker whose URL (normalized: [`worker_url_key`]) is already registered is a [`StartError::Duplicate`].
+    /// Adds workers found by discovery in one membership change, without asking them anything: each is routable
+    /// once its first health probe passes and its models are known ([`Admission::Unprobed`]). Their rank counts
+    /// must be known ([`ranks_known`]); the others go through [`AppState::add_worker`]. One result per worker.
+    pub fn add_found(&self, workers: Vec<WorkerConfig>) -> Vec<Result<WorkerId, StartError>> {
+        let mut results: Vec<Option<Result<WorkerId, StartError>>> = Vec::with_capacity(workers.len());
+        let mut batch = Vec::new();
+        for worker in workers {
+            let checked = crate::config::validate_worker(&worker).map_err(StartError::from);
+            match checked {
+                Ok(()) if ranks_known(&worker) => {
+                    results.push(None);
+                    batch.push((worker, Admission::Unprobed));
+                }
+                Ok(()) => results.push(Some(Err(StartError::Worker {
+                    url: worker.url.clone(),
+                    message: "its rank count is not known: it is asked first".into(),
+                }))),
+                Err(e) => results.push(Some(Err(e))),
+            }
+        }
+        let urls: Vec<String> = batch.iter().map(|(w, _)| w.url.clone()).collect();
+        let mut added = self.registry.add_workers(batch).into_iter().zip(urls);
+        results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    let (result, url) = added.next().expect("one result per worker added");
+                    result.map_err(|id| StartError::Duplicate { url, id: id.0 })
+                })
+            })
+            .collect()
+    }
+
+    /// How long asking a worker what it serves may take.
+    pub fn discover_timeout(&self) -> Duration {
+        Duration::from_millis(self.config.health.timeout_ms.max(self.config.connect_timeout_ms))
+    }
+
+    /// A worker whose URL (normalized: [`crate::config::worker_url_key`]) is already registered is a [`StartError::Duplicate`].
     fn check_not_registered(&self, worker: &WorkerConfig) -> Result<(), StartError> {
-        let key = worker_url_key(&worker.url);
-        match self.registry.workers().iter().find(|w| worker_url_key(&w.url) == key) {
-            Some(w) => Err(StartError::Duplicate {
+        match self.registry.registered(&worker.url) {
+            Some(id) => Err(StartError::Duplicate {
                 url: worker.url.clone(),
-                id: w.id.0,
+                id: id.0,
             }),
             None => Ok(()),
         }
@@ -175,4 +208,10 @@ impl AppState {
             .filter(|&(_, n)| n > 0)
             .collect()
     }
+}
+
+/// Whether a worker's rank count is known without asking it: configured, or one (vLLM and OpenAI-style servers
+/// without `dp_size` take one); an SGLang worker without `dp_size` reports it.
+pub fn ranks_known(worker: &WorkerConfig) -> bool {
+    worker.dp_size.is_some() || worker.backend != Backend::Sglang
 }

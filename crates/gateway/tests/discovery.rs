@@ -276,12 +276,14 @@ async fn gateway(mut config: GatewayConfig) -> String {
 }
 
 /// The URLs of the gateway's workers.
+/// The URLs of the workers `gateway` routes to (a worker discovery found is routable once its first probe passed).
 async fn worker_urls(client: &Upstream, gateway: &str) -> Vec<String> {
     let (_, _, workers) = call(client, Method::GET, &format!("{gateway}/workers"), None).await;
     workers["workers"]
         .as_array()
         .unwrap()
         .iter()
+        .filter(|w| w["healthy"] == true)
         .map(|w| w["url"].as_str().unwrap().to_string())
         .collect()
 }

@@ -1,7 +1,7 @@
 //! A stand-in Kubernetes API server for discovery's tests (no real one can be installed on this machine): LIST and
 //! WATCH of any collection path on the real wire format. A LIST answers `{"kind": "List", "metadata":
 //! {"resourceVersion"}, "items"}`; a WATCH (`watch=true`) streams JSON lines `{"type", "object"}` from the version
-//! asked, then every change as it happens, filtered by `labelSelector` (`k=v,…`) and `fieldSelector`
+//! asked, then every change as it happens; a LIST with `limit` is paged (`metadata.continue`), filtered by `labelSelector` (`k=v,…`) and `fieldSelector`
 //! (`metadata.name=…`). Versions are one counter over every collection, as etcd's. A watch from a version at or
 //! below the compaction point is a `410 Gone` with a `Status` body; [`ApiServer::expire_watches`] sends open
 //! watches an `ERROR` event with a 410 `Status` instead; [`ApiServer::bookmark`] a `BOOKMARK`;
@@ -236,12 +236,21 @@ async fn handle(State(server): State<ApiServer>, request: Request) -> Response {
         token,
     });
     if !watching {
-        let items: Vec<Value> = inner
+        // Paged as the real server pages (`limit`, `continue`); the token here is the offset of the next item.
+        let start: usize = query.get("continue").map_or(0, |c| c.parse().unwrap());
+        let limit: usize = query.get("limit").map_or(usize::MAX, |l| l.parse().unwrap());
+        let selected: Vec<&Value> = inner
             .collections
             .get(&path)
-            .map(|c| c.values().filter(|o| selected(o, &query)).cloned().collect())
+            .map(|c| c.values().filter(|o| selected(o, &query)).collect())
             .unwrap_or_default();
-        let list = json!({"kind": "List", "apiVersion": "v1", "metadata": {"resourceVersion": inner.version.to_string()}, "items": items});
+        let end = start.saturating_add(limit).min(selected.len());
+        let items: Vec<&Value> = selected[start.min(end)..end].to_vec();
+        let mut metadata = json!({"resourceVersion": inner.version.to_string()});
+        if end < selected.len() {
+            metadata["continue"] = json!(end.to_string());
+        }
+        let list = json!({"kind": "List", "apiVersion": "v1", "metadata": metadata, "items": items});
         return axum::Json(list).into_response();
     }
     let from: u64 = query.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);

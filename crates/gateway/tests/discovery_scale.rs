@@ -1,0 +1,175 @@
+//! Discovery at fleet scale, against the stand-in API server (`common/api_server.rs`): 10,000 EndpointSlices, each
+//! one endpoint on an address where nothing listens (127.1.x.y), besides one engine from the config file.
+//! The list is applied as one membership change (all 10,000 workers registered, none routable before a probe
+//! passes, so requests during the sync all reach the engine that serves), a slice deleted leaves, and shutdown
+//! during the sync is not held up. Timings and CPU are printed for docs/discovery.md (run with `--release
+//! --nocapture`); the checks are on behaviour, not speed.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::api_server::ApiServer;
+use dprouter_gateway::discovery_config::{KubernetesSource, WorkerTemplate};
+use dprouter_gateway::{AppState, Backend, GatewayConfig, WorkerConfig};
+use serde_json::{json, Value};
+
+const SLICES: &str = "/apis/discovery.k8s.io/v1/namespaces/serving/endpointslices";
+const COUNT: usize = 10_000;
+
+fn slice(i: usize) -> Value {
+    let address = format!("127.1.{}.{}", i / 250, i % 250 + 1);
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+           "metadata": {"name": format!("llama-{i}"), "namespace": "serving",
+                        "labels": {"kubernetes.io/service-name": "llama"}},
+           "addressType": "IPv4",
+           "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+           "endpoints": [{"addresses": [address], "conditions": {"ready": true, "serving": true, "terminating": false}}]})
+}
+
+/// CPU seconds this process has used (user and system), from `/proc/self/stat`; 0 where there is none.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    let ticks: f64 = [11, 12].iter().map(|&i| fields[i].parse::<f64>().unwrap()).sum();
+    ticks / 100.0
+}
+
+fn config(api: &ApiServer, engine: &str) -> GatewayConfig {
+    let mut config = GatewayConfig::default();
+    config.workers.push(WorkerConfig {
+        url: engine.to_string(),
+        backend: Backend::Sglang,
+        dp_size: Some(1),
+        ..Default::default()
+    });
+    config.discovery.kubernetes.push(KubernetesSource {
+        api_server: Some(api.url.clone()),
+        namespace: Some("serving".into()),
+        endpoint_slices: Some("kubernetes.io/service-name=llama".into()),
+        worker: WorkerTemplate {
+            backend: Backend::Vllm,
+            dp_size: Some(1),
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    config.server.drain_timeout_ms = 1000;
+    config
+}
+
+async fn engine() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let engine = dprouter_mock_engine::Engine::new(Default::default());
+    tokio::spawn(dprouter_mock_engine::serve(listener, engine, std::future::pending()));
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_endpoint_slices_join_as_one_change() {
+    let api = ApiServer::start().await;
+    for i in 0..COUNT {
+        api.put(SLICES, slice(i));
+    }
+    let engine = engine().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut config = config(&api, &engine);
+    config.listen = listener.local_addr().unwrap();
+    let gateway = format!("http://{}", config.listen);
+    let state = AppState::new(config).await.unwrap();
+    let started = Instant::now();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
+        drop(stopped.await)
+    }));
+
+    // Requests during the sync: every one reaches the engine that serves (none to an endpoint never probed).
+    let client = client();
+    let chat = json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let mut statuses = std::collections::BTreeMap::new();
+    let mut applied = None;
+    while applied.is_none() || statuses.values().sum::<usize>() < 50 {
+        let status = post(&client, &format!("{gateway}/v1/chat/completions"), &chat).await;
+        *statuses.entry(status).or_insert(0usize) += 1;
+        if applied.is_none() && state.registry.workers().len() == COUNT + 1 && state.discovery_synced() {
+            applied = Some(started.elapsed());
+        }
+        assert!(started.elapsed() < Duration::from_secs(60), "not applied in 60 s");
+    }
+    let applied = applied.unwrap();
+    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), [200], "answers during the sync: {statuses:?}");
+    let membership = state.registry.membership();
+    assert_eq!(membership.snapshot.len(), COUNT + 1);
+    assert_eq!(membership.snapshot.healthy(), [0], "only the engine that answers is routable");
+
+    // Steady: the dead workers probed every unhealthy interval (refused at once), nothing else happening; over
+    // `DPROUTER_STEADY_SECS` (default 6: longer for a figure that spans several unhealthy intervals).
+    let seconds = std::env::var("DPROUTER_STEADY_SECS").map_or(6, |s| s.parse().unwrap());
+    let cpu = cpu_seconds();
+    let quiet = Instant::now();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let steady = (cpu_seconds() - cpu) / quiet.elapsed().as_secs_f64();
+    println!("{COUNT} EndpointSlices applied in {applied:?}; steady CPU {:.0}% of a core", steady * 100.0);
+
+    // A slice deleted: its worker leaves.
+    api.delete(SLICES, "llama-0");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while state.registry.workers().len() != COUNT {
+        assert!(Instant::now() < deadline, "the deleted slice's worker stayed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+}
+
+/// Shutdown while a large list is being applied and probed exits within the drain (1 s here), not after the
+/// adds finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_a_large_sync_is_not_held_up() {
+    let api = ApiServer::start().await;
+    for i in 0..COUNT {
+        api.put(SLICES, slice(i));
+    }
+    let engine = engine().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut config = config(&api, &engine);
+    config.listen = listener.local_addr().unwrap();
+    let state = AppState::new(config).await.unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
+        drop(stopped.await)
+    }));
+    while api.count("LIST") == 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let asked = Instant::now();
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
+    let took = asked.elapsed();
+    println!("shutdown during the sync took {took:?} (drain_timeout_ms = 1000)");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
+
+type Client = dprouter_gateway::upstream::Upstream;
+
+fn client() -> Client {
+    let tls = dprouter_gateway::tls::client_config(None, "ca").unwrap();
+    Client::new(Duration::from_secs(2), Duration::from_secs(5), tls)
+}
+
+async fn post(client: &Client, url: &str, body: &Value) -> u16 {
+    let request = hyper::Request::post(url)
+        .header("content-type", "application/json")
+        .body(dprouter_gateway::upstream::Chunks::new([bytes::Bytes::from(body.to_string())]))
+        .unwrap();
+    let (status, _, _) = client
+        .exchange(request, Duration::from_secs(10), 1 << 20)
+        .await
+        .unwrap();
+    status.as_u16()
+}
