@@ -6,56 +6,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use common::envoy::Envoy;
+use common::picker::Picker;
 use common::{client, get, post, send, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
-
-/// A `dprouter epp` process: its gRPC address and its HTTP side.
-struct Picker {
-    proc: Proc,
-    grpc: String,
-}
-
-impl Picker {
-    fn start(engines: &[&Proc], extra: &[&str]) -> Picker {
-        let bin = std::env::var("DPROUTER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dprouter").to_string());
-        let mut command = Command::new(bin);
-        command.args(["epp", "--listen", "127.0.0.1:0", "--http-listen", "127.0.0.1:0"]);
-        for e in engines {
-            command.args(["--worker", &e.url]);
-        }
-        command
-            .args(extra)
-            .env(
-                "RUST_LOG",
-                std::env::var("DPROUTER_TEST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        let mut child = command.spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        // "dprouter epp listening on grpc://ADDR and http://ADDR"
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let grpc = words
-            .iter()
-            .find_map(|w| w.strip_prefix("grpc://"))
-            .unwrap()
-            .to_string();
-        let url = words.iter().find(|w| w.starts_with("http://")).unwrap().to_string();
-        Picker {
-            proc: Proc { child, url },
-            grpc,
-        }
-    }
-}
 
 /// The engine behind `url` (its port) and the rank, as the picker labels endpoints (`w{worker}r{rank}`).
 fn label_of(reply: &common::Reply) -> (usize, u32) {

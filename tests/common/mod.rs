@@ -16,6 +16,7 @@ use serde_json::Value;
 pub mod conversations;
 pub mod envoy;
 pub mod memory;
+pub mod picker;
 
 /// A `dprouter` subprocess, killed when dropped.
 pub struct Proc {

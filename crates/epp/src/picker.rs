@@ -245,12 +245,15 @@ impl Stream {
                     if arriving.body.len() + b.body.len() > limit {
                         return Err(End::Answer(ApiError::TooLarge { limit }));
                     }
-                    arriving.held.grow(b.body.len()).map_err(End::Answer)?;
-                    if arriving.body.is_empty() && b.end_of_stream {
-                        arriving.body = b.body;
-                    } else {
-                        arriving.body.extend_from_slice(&b.body);
+                    // The budget holds the buffer's capacity, grown by doubling up to the limit.
+                    let needed = arriving.body.len() + b.body.len();
+                    if needed > arriving.body.capacity() {
+                        let target = needed.max(2 * arriving.body.capacity()).min(limit);
+                        let more = target.saturating_sub(arriving.held.bytes());
+                        arriving.held.grow(more).map_err(End::Answer)?;
+                        arriving.body.reserve_exact(target - arriving.body.len());
                     }
+                    arriving.body.extend_from_slice(&b.body);
                     if b.end_of_stream {
                         let sent = self.route(arriving, false).await?;
                         deadline = Instant::now() + first_byte;

@@ -275,6 +275,33 @@ impl GatewayConfig {
         Ok(config)
     }
 
+    /// KV events are followed under `cache_aware` only: given under another policy they would be accepted and
+    /// ignored, so they are refused (as `POST /workers` refuses them).
+    fn check_events_are_followed(&self) -> Result<(), ConfigError> {
+        if matches!(self.routing, PolicyConfig::CacheAware(_)) {
+            return Ok(());
+        }
+        let worker = self
+            .workers
+            .iter()
+            .find(|w| w.events().is_some() || w.kv_events_replay.is_some())
+            .map(|w| format!("worker `{}`", w.url));
+        let templates = (self.discovery.kubernetes.iter().map(|s| (&s.worker, s.label())))
+            .chain(self.discovery.dns.iter().map(|s| (&s.worker, s.label())));
+        let template = templates
+            .filter(|(t, _)| t.kv_events_port.is_some() || t.kv_events_replay_port.is_some())
+            .map(|(_, label)| format!("discovery {label}"))
+            .next();
+        match worker.or(template) {
+            Some(which) => Err(ConfigError::Invalid(format!(
+                "{which}: KV events are followed under cache_aware only, and this config routes with {}: remove \
+                 the kv_events settings, or route with policy = \"cache_aware\"",
+                self.routing.name()
+            ))),
+            None => Ok(()),
+        }
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut urls = std::collections::HashSet::new();
         for w in &self.workers {
@@ -287,6 +314,7 @@ impl GatewayConfig {
         self.routing
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("routing: {e}")))?;
+        self.check_events_are_followed()?;
         if let Some(name) = &self.session_header {
             if hyper::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
                 return Err(ConfigError::Invalid(format!(
@@ -521,6 +549,14 @@ mod tests {
             (
                 "[[workers]]\nurl = \"http://x:1\"\nkv_events_bind = \"x:5\"",
                 "kv_events_bind",
+            ),
+            (
+                "[routing]\npolicy = \"round_robin\"\n[[workers]]\nurl = \"http://x:1\"\nkv_events = \"tcp://x:5\"",
+                "KV events are followed under cache_aware only",
+            ),
+            (
+                "[routing]\npolicy = \"prefix_match\"\n[[discovery.dns]]\nname = \"x\"\nport = 8000\n[discovery.dns.worker]\nkv_events_port = 5557",
+                "discovery dns x:8000: KV events are followed under cache_aware only",
             ),
             ("[[workers]]\nurl = \"http://user:pw@x:1\"", "no user, path or query"),
             ("[[workers]]\nurl = \"http://x:1/v1\"", "no user, path or query"),
