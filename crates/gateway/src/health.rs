@@ -18,7 +18,7 @@ use crate::config::Backend;
 use crate::registry::WorkerState;
 use crate::state::AppState;
 use crate::throttled::Throttled;
-use crate::upstream::ProbeError;
+use crate::upstream::{ProbeError, WorkerInfo};
 
 /// Starts the background tasks; they stop when `stop` turns true.
 pub fn spawn(state: Arc<AppState>, stop: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
@@ -98,12 +98,18 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
     }
 }
 
+/// A round's probes start in groups this far apart.
+const SPREAD_STEP: Duration = Duration::from_millis(20);
+
+/// Admissions are recorded together at most this often during a round (each is a snapshot rebuild).
+const ADMIT_EVERY: Duration = Duration::from_millis(100);
+
 /// What one probe found.
 enum Outcome {
     /// A probe of a worker in service: passed, or failed.
     Probed(bool),
     /// A found worker passed its first probe and said what it serves.
-    Admit(crate::upstream::WorkerInfo),
+    Admit(WorkerInfo),
     /// A slow `/health` of a worker that is serving: counts neither way.
     Serving,
 }
@@ -163,7 +169,11 @@ impl Prober {
         let present: HashSet<WorkerId> = workers.iter().map(|w| w.id).collect();
         let probes = futures_util::stream::iter(workers.into_iter().zip(0u32..))
             .map(|(w, i)| async move {
-                tokio::time::sleep_until(start + spread / count * i).await;
+                // Started in groups a few milliseconds apart: a probe at its own instant each would wake the runtime
+                // for every one of them.
+                let offset = spread / count * i;
+                let offset = offset - Duration::from_nanos((offset.as_nanos() % SPREAD_STEP.as_nanos()) as u64);
+                tokio::time::sleep_until(start + offset).await;
                 let _slot = self.slots.acquire().await;
                 lock(&self.last_probed).insert(w.id, tokio::time::Instant::now());
                 let outcome = self.probe_one(&w).await;
@@ -172,8 +182,17 @@ impl Prober {
             .buffer_unordered(self.concurrency)
             .ready_chunks(256);
         let mut probes = std::pin::pin!(probes);
+        let mut admitted = Vec::new();
+        let mut last_admitted = tokio::time::Instant::now();
         while let Some(chunk) = probes.next().await {
-            self.record(chunk);
+            self.record(chunk, &mut admitted);
+            if !admitted.is_empty() && last_admitted.elapsed() >= ADMIT_EVERY {
+                self.state.registry.admit_all(std::mem::take(&mut admitted));
+                last_admitted = tokio::time::Instant::now();
+            }
+        }
+        if !admitted.is_empty() {
+            self.state.registry.admit_all(admitted);
         }
         if spread > Duration::ZERO {
             self.lock_last_ok().retain(|id, _| present.contains(id));
@@ -229,11 +248,9 @@ impl Prober {
         }
     }
 
-    /// Records a batch of outcomes: admissions, then probes.
-    fn record(&self, chunk: Vec<(Arc<WorkerState>, Outcome)>) {
-        let registry = &self.state.registry;
+    /// Records a batch of probes; the workers to admit are added to `admitted` (recorded together later).
+    fn record(&self, chunk: Vec<(Arc<WorkerState>, Outcome)>, admitted: &mut Vec<(WorkerId, WorkerInfo)>) {
         let mut probes = Vec::with_capacity(chunk.len());
-        let mut admitted = Vec::new();
         for (w, outcome) in chunk {
             match outcome {
                 Outcome::Probed(ok) => probes.push((w.id, ok)),
@@ -241,10 +258,7 @@ impl Prober {
                 Outcome::Serving => {}
             }
         }
-        if !admitted.is_empty() {
-            registry.admit_all(admitted);
-        }
-        registry.record_probes(&probes);
+        self.state.registry.record_probes(&probes);
     }
 
     fn lock_last_ok(&self) -> std::sync::MutexGuard<'_, HashMap<WorkerId, bool>> {

@@ -44,8 +44,8 @@ pub const BUSY_GRACE: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone)]
 pub struct Target {
     pub id: EndpointId,
-    /// Base URL without a trailing slash.
-    pub base: String,
+    /// Base URL without a trailing slash (shared by the worker's endpoints and every snapshot).
+    pub base: Arc<str>,
     pub backend: Backend,
     pub rank_field: RankField,
     /// The endpoint's passive-health state, to record a success without the registry's lock.
@@ -207,7 +207,7 @@ impl EndpointState {
 #[derive(Debug)]
 pub struct WorkerState {
     pub id: WorkerId,
-    pub url: String,
+    pub url: Arc<str>,
     pub backend: Backend,
     pub rank_field: RankField,
     /// KV cache tokens per rank, when the engine reported it.
@@ -242,7 +242,7 @@ impl WorkerState {
         };
         Self {
             id,
-            url: config.url.trim_end_matches('/').to_string(),
+            url: config.url.trim_end_matches('/').into(),
             backend: config.backend,
             rank_field: config.rank_field,
             kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
@@ -524,14 +524,14 @@ impl Registry {
                     for e in &w.endpoints {
                         e.readmit();
                     }
-                    changes.up.push(w.url.clone());
+                    changes.up.push(w.url.to_string());
                 }
             } else {
                 w.probe_successes.store(0, Relaxed);
                 let streak = w.probe_failures.fetch_add(1, Relaxed) + 1;
                 if (streak >= self.health.failure_threshold || suspect) && w.active_healthy() {
                     w.active_healthy.store(false, Relaxed);
-                    changes.down.push(w.url.clone());
+                    changes.down.push(w.url.to_string());
                 }
             }
         }
@@ -697,7 +697,7 @@ impl Registry {
                 });
                 targets.push(Target {
                     id: e.id,
-                    base: w.url.clone(),
+                    base: Arc::clone(&w.url),
                     backend: w.backend,
                     rank_field: w.rank_field,
                     state: Arc::clone(e),

@@ -31,7 +31,7 @@ fn workers_expand_to_endpoints_in_order() {
     let b = r.add_worker(&worker("http://b:1"), info(3)).unwrap();
     let m = r.membership();
     assert_eq!(m.snapshot.len(), 5);
-    assert_eq!(m.targets[1].base, "http://a:1");
+    assert_eq!(&*m.targets[1].base, "http://a:1");
     assert_eq!((m.targets[2].id.worker, m.targets[2].id.dp_rank), (b, 0));
     assert_eq!(m.snapshot.endpoints()[4].kv_capacity, Some(1000));
     assert!(r.remove_worker(a));

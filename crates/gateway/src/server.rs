@@ -597,7 +597,7 @@ async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
                     })
                 })
                 .collect();
-            json!({"id": w.id.0, "url": w.url, "backend": w.backend.as_str(), "dp_size": w.endpoints.len(),
+            json!({"id": w.id.0, "url": &*w.url, "backend": w.backend.as_str(), "dp_size": w.endpoints.len(),
                    "healthy": w.active_healthy(), "probed": w.unprobed.is_none(), "endpoints": endpoints})
         })
         .collect();
@@ -686,11 +686,11 @@ async fn flush_cache(State(state): State<Arc<AppState>>) -> Response {
         .map(|(w, answer)| match answer {
             Ok(status) => {
                 all_ok &= status.is_success();
-                json!({"worker": w.id.0, "url": w.url, "status": status.as_u16()})
+                json!({"worker": w.id.0, "url": &*w.url, "status": status.as_u16()})
             }
             Err(e) => {
                 all_ok = false;
-                json!({"worker": w.id.0, "url": w.url, "error": e})
+                json!({"worker": w.id.0, "url": &*w.url, "error": e})
             }
         })
         .collect();

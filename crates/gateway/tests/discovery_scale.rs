@@ -39,6 +39,24 @@ fn cpu_seconds() -> f64 {
     ticks / 100.0
 }
 
+/// This thread's id (Linux: `/proc/thread-self` links to `PID/task/TID`); 0 where there is none.
+fn thread_id() -> u32 {
+    std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name()?.to_str()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// CPU seconds thread `tid` of this process has used.
+fn thread_cpu_seconds(tid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or_default().split_whitespace().collect();
+    let ticks: f64 = [11, 12].iter().map(|&i| fields[i].parse::<f64>().unwrap()).sum();
+    ticks / 100.0
+}
+
 fn config(api: &ApiServer, engine: &str) -> GatewayConfig {
     let mut config = GatewayConfig::default();
     config.workers.push(WorkerConfig {
@@ -172,4 +190,80 @@ async fn post(client: &Client, url: &str, body: &Value) -> u16 {
         .await
         .unwrap();
     status.as_u16()
+}
+
+/// A live fleet: `DPROUTER_LIVE_WORKERS` workers (default 50) of two ranks each, every one a small HTTP server
+/// (on a thread of its own in this process) answering `/health` and `/v1/models`, found through EndpointSlices: all admitted once their first
+/// probe passes, then probed every interval. The CPU printed is the whole process's (the gateway's probes and the
+/// servers' answers both); the gateway's own is the process's less the servers' thread's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_fleet_is_admitted_and_probed() {
+    let workers: usize = std::env::var("DPROUTER_LIVE_WORKERS").map_or(50, |s| s.parse().unwrap());
+    let api = ApiServer::start().await;
+    // The fleet's servers on a thread of their own, so that their CPU can be told from the gateway's.
+    let (ports_tx, ports) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        runtime.block_on(async move {
+            let health = axum::Router::new()
+                .route("/health", axum::routing::get(|| async { "ok" }))
+                .route(
+                    "/v1/models",
+                    axum::routing::get(|| async { axum::Json(json!({"data": [{"id": "llama"}]})) }),
+                );
+            let mut ports = Vec::new();
+            for _ in 0..workers {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                ports.push(listener.local_addr().unwrap().port());
+                let app = health.clone();
+                tokio::spawn(async move { axum::serve(listener, app).await });
+            }
+            ports_tx.send((thread_id(), ports)).unwrap();
+            std::future::pending::<()>().await;
+        });
+    });
+    let (servers, ports) = ports.recv().unwrap();
+    for (i, port) in ports.into_iter().enumerate() {
+        let mut slice = slice(i);
+        slice["endpoints"][0]["addresses"][0] = json!("127.0.0.1");
+        slice["ports"][0]["port"] = json!(port);
+        api.put(SLICES, slice);
+    }
+    let engine = engine().await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut config = config(&api, &engine);
+    config.discovery.kubernetes[0].worker.dp_size = Some(2);
+    config.listen = listener.local_addr().unwrap();
+    let state = AppState::new(config).await.unwrap();
+    let started = Instant::now();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
+        drop(stopped.await)
+    }));
+    let endpoints = 2 * workers + 1;
+    while state.registry.membership().snapshot.healthy().len() < endpoints {
+        assert!(started.elapsed() < Duration::from_secs(120), "not all admitted in 120 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let admitted = started.elapsed();
+    let membership = state.registry.membership();
+    assert!(membership.targets[1..].iter().all(|t| &*t.models == ["llama".to_string()]));
+    let seconds = std::env::var("DPROUTER_STEADY_SECS").map_or(3, |s| s.parse().unwrap());
+    let (cpu, server_cpu) = (cpu_seconds(), thread_cpu_seconds(servers));
+    let quiet = Instant::now();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    let elapsed = quiet.elapsed().as_secs_f64();
+    let servers = (thread_cpu_seconds(servers) - server_cpu) / elapsed;
+    let all = (cpu_seconds() - cpu) / elapsed;
+    assert_eq!(state.registry.membership().snapshot.healthy().len(), endpoints, "all stay up");
+    println!(
+        "{workers} live workers ({} endpoints) admitted in {admitted:?}; steady CPU {:.0}% of a core for the gateway \
+         (the process {:.0}%, the fleet's servers {:.0}%)",
+        2 * workers,
+        (all - servers) * 100.0,
+        all * 100.0,
+        servers * 100.0
+    );
+    stop.send(()).unwrap();
+    serving.await.unwrap().unwrap();
 }
