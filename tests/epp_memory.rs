@@ -29,14 +29,18 @@ fn message(request: Message) -> ProcessingRequest {
 }
 
 fn headers() -> Message {
-    let headers = [(":method", "POST"), (":path", "/v1/completions"), ("content-type", "application/json")]
-        .into_iter()
-        .map(|(key, value)| HeaderValue {
-            key: key.into(),
-            raw_value: value.as_bytes().to_vec(),
-            ..Default::default()
-        })
-        .collect();
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        ("content-type", "application/json"),
+    ]
+    .into_iter()
+    .map(|(key, value)| HeaderValue {
+        key: key.into(),
+        raw_value: value.as_bytes().to_vec(),
+        ..Default::default()
+    })
+    .collect();
     Message::RequestHeaders(HttpHeaders {
         headers: Some(HeaderMap { headers }),
         ..Default::default()
@@ -76,9 +80,7 @@ async fn stream(address: String, with_headers: bool) -> (Option<Answer>, Duratio
         // Held open: the body does not end.
         tokio::time::sleep(Duration::from_secs(30)).await;
     });
-    let replies = client
-        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await;
+    let replies = client.process(tokio_stream::wrappers::ReceiverStream::new(rx)).await;
     let answer = match replies {
         Err(status) => Some(Answer::Grpc(status.code() as i32)),
         Ok(replies) => {
@@ -99,7 +101,10 @@ async fn stream(address: String, with_headers: bool) -> (Option<Answer>, Duratio
 }
 
 /// `STREAMS` streams at once: the answers counted, the slowest answer, and the picker's peak memory growth.
-async fn round(picker: &Picker, with_headers: bool) -> (std::collections::BTreeMap<Option<Answer>, usize>, Duration, u64) {
+async fn round(
+    picker: &Picker,
+    with_headers: bool,
+) -> (std::collections::BTreeMap<Option<Answer>, usize>, Duration, u64) {
     let pid = picker.proc.child.id();
     tokio::time::sleep(Duration::from_millis(500)).await;
     memory::reset_peak_rss(pid);
@@ -133,7 +138,10 @@ async fn streams_of_large_chunks_are_refused_or_held_within_the_budget() {
     let (answers, slowest, grown) = round(&picker, false).await;
     let invalid = Some(Answer::Grpc(tonic::Code::InvalidArgument as i32));
     assert_eq!(answers.get(&invalid), Some(&STREAMS), "{answers:?}");
-    assert!(slowest < Duration::from_secs(5), "answered after {slowest:?}, past the body timeout");
+    assert!(
+        slowest < Duration::from_secs(5),
+        "answered after {slowest:?}, past the body timeout"
+    );
     assert!(grown < 200_000_000, "peak RSS grew by {} MB", grown / 1_000_000);
     if print {
         println!(

@@ -8,10 +8,11 @@
 //! come within `first_byte_timeout_ms` counts against its endpoint as in `serve`, and its load is released.
 //!
 //! The request's headers are held until its body has ended (bounded in size and time as `serve` bounds bodies,
-//! and its bytes in the budget of all bodies arriving at once, `max_buffered_body_bytes`); then the request is routed exactly as `serve` routes it ([`dprouter_gateway::routing::route`]: the same
-//! parser, prompt keys, model checks, policies and ticket), and the replies go out in the order Envoy needs: the
-//! headers' (destination, rank header, cleared route cache), then the body as the chosen endpoint must get it (the
-//! client's rank overrides out, SGLang's `routed_dp_rank` in) in chunks, then the trailers'. The response streams
+//! and its bytes in the budget of all bodies arriving at once, `max_buffered_body_bytes`); then the request is
+//! routed exactly as `serve` routes it ([`dprouter_gateway::routing::route`]: the same parser, prompt keys, model
+//! checks, policies and ticket), and the replies go out in the order Envoy needs: the headers' (destination, rank
+//! header, cleared route cache), then the body as the chosen endpoint must get it (the client's rank overrides
+//! out, SGLang's `routed_dp_rank` in) in chunks, then the trailers'. The response streams
 //! back through unchanged while its bytes feed the same [`Feedback`] as `serve`'s response bodies: the first byte,
 //! the engine's usage report (cached tokens) into the ticket, one ticket per request. When the stream ends in any
 //! way, the ticket is dropped and the endpoint's load released.

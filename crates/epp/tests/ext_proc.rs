@@ -200,7 +200,7 @@ async fn paths_serve_does_not_serve_get_its_answer() {
 async fn bodies_arriving_at_once_share_one_budget() {
     let p = picker(|c| {
         c.max_body_bytes = 64 << 10;
-        c.max_buffered_body_bytes = 100 << 10;
+        c.max_buffered_body_bytes = Some(100 << 10);
     })
     .await;
     let chunk = vec![b' '; 60 << 10];

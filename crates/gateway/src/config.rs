@@ -19,8 +19,9 @@ pub use crate::worker_config::{
 pub struct HealthConfig {
     /// Interval between active `GET /health` probes of each worker, milliseconds.
     pub interval_ms: u64,
-    /// Interval between probes of a worker that is down or has never answered, milliseconds (Envoy's
-    /// `unhealthy_interval`): a fleet's dead endpoints cost a fraction of the live ones' probes.
+    /// The longest interval between probes of a worker that is down or has never answered, milliseconds: such a
+    /// worker is probed at `interval_ms`, the wait doubling with each failed probe past `failure_threshold` up to
+    /// this, so one that just went down is back within a few intervals and a fleet's dead endpoints cost little.
     pub unhealthy_interval_ms: u64,
     /// Probe timeout, milliseconds.
     pub timeout_ms: u64,
@@ -177,9 +178,10 @@ pub struct GatewayConfig {
     pub server: ServerConfig,
     /// Largest accepted request body, bytes (default 64 MiB: a 200k-token prompt as `input_ids` is ~1.5 MB).
     pub max_body_bytes: usize,
-    /// Request body bytes held across all requests while they arrive (default 512 MiB, at least
-    /// `max_body_bytes`): a body that would take the sum past it is refused with a 503 at once.
-    pub max_buffered_body_bytes: usize,
+    /// Request body bytes held across all requests while they arrive, at least `max_body_bytes`: a body that would
+    /// take the sum past it is refused with a 503 at once. Unset: 512 MiB, or twice `max_body_bytes` if that is
+    /// more ([`GatewayConfig::body_budget`]).
+    pub max_buffered_body_bytes: Option<usize>,
     /// When set, admin routes require `Authorization: Bearer <key>` from every client; unset, they answer only
     /// loopback clients (403 to the others). Must not be empty.
     pub admin_key: Option<String>,
@@ -233,7 +235,7 @@ impl Default for GatewayConfig {
             load: LoadConfig::default(),
             server: ServerConfig::default(),
             max_body_bytes: 64 << 20,
-            max_buffered_body_bytes: 512 << 20,
+            max_buffered_body_bytes: None,
             admin_key: None,
             allow_client_overrides: true,
             session_header: None,
@@ -252,6 +254,12 @@ impl Default for GatewayConfig {
 }
 
 impl GatewayConfig {
+    /// The budget of request bodies arriving at once: `max_buffered_body_bytes`, or its default.
+    pub fn body_budget(&self) -> usize {
+        self.max_buffered_body_bytes
+            .unwrap_or_else(|| (512 << 20).max(self.max_body_bytes.saturating_mul(2)))
+    }
+
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
             path: path.display().to_string(),
@@ -325,11 +333,11 @@ impl GatewayConfig {
         if self.max_body_bytes == 0 {
             return Err(ConfigError::Invalid("max_body_bytes must be at least 1".into()));
         }
-        if self.max_buffered_body_bytes < self.max_body_bytes {
+        if let Some(budget) = self.max_buffered_body_bytes.filter(|&b| b < self.max_body_bytes) {
             return Err(ConfigError::Invalid(format!(
-                "max_buffered_body_bytes ({}) must be at least max_body_bytes ({}): the budget of all bodies \
+                "max_buffered_body_bytes ({budget}) must be at least max_body_bytes ({}): the budget of all bodies \
                  arriving at once must hold one",
-                self.max_buffered_body_bytes, self.max_body_bytes
+                self.max_body_bytes
             )));
         }
         if self.tokenize_max_bytes == 0 {

@@ -67,8 +67,9 @@ where
     }
 }
 
-/// Probes every worker once per `interval_ms` (one that is down, or found and never up, once per
-/// `unhealthy_interval_ms`), the round's probes spread evenly over the interval and at most
+/// Probes every worker once per `interval_ms` (one that is down, or found and never up, less and less often, down
+/// to once per `unhealthy_interval_ms`: [`Prober::due`]), the round's probes spread evenly over the interval and at
+/// most
 /// `max_concurrent_probes` in flight; and at once the workers a failed request made suspect and those discovery
 /// just found ([`crate::registry::Registry::due_now`]). A found worker whose probe passes is asked what it serves
 /// and admitted ([`crate::registry::Registry::admit`]). Results are recorded in batches: one snapshot rebuild for
@@ -126,6 +127,7 @@ struct Prober {
     last_ok: std::sync::Mutex<HashMap<WorkerId, bool>>,
     /// When each worker was last probed, for the slower interval of those down.
     last_probed: std::sync::Mutex<HashMap<WorkerId, tokio::time::Instant>>,
+    interval: Duration,
     unhealthy_interval: Duration,
     failed_log: std::sync::Mutex<Throttled>,
     back_log: std::sync::Mutex<Throttled>,
@@ -141,6 +143,7 @@ impl Prober {
             timeout: Duration::from_millis(health.timeout_ms),
             last_ok: Default::default(),
             last_probed: Default::default(),
+            interval: Duration::from_millis(health.interval_ms),
             unhealthy_interval: Duration::from_millis(health.unhealthy_interval_ms),
             failed_log: Default::default(),
             back_log: Default::default(),
@@ -148,16 +151,26 @@ impl Prober {
         }
     }
 
-    /// The workers due in a round starting `now`: those routable, and those down whose last probe is
-    /// `unhealthy_interval` old. Workers gone are forgotten.
+    /// The workers due in a round starting `now`: those routable, and those down whose wait since their last probe
+    /// ends within the round. A worker down waits the interval, doubled for each failed probe past
+    /// `failure_threshold`, up to `unhealthy_interval` (as HAProxy's `downinter`, growing): one that just went
+    /// down (a restart) is back within a few intervals, and a fleet's long-dead endpoints cost little. Workers gone
+    /// are forgotten.
     fn due(&self, workers: Vec<Arc<WorkerState>>, now: tokio::time::Instant) -> Vec<Arc<WorkerState>> {
         let mut last_probed = lock(&self.last_probed);
         let present: HashSet<WorkerId> = workers.iter().map(|w| w.id).collect();
         last_probed.retain(|id, _| present.contains(id));
+        let threshold = self.state.config.health.failure_threshold;
+        let longest = self.unhealthy_interval.max(self.interval);
+        let wait = |w: &WorkerState| {
+            let doublings = w.probe_failures().saturating_sub(threshold).min(16);
+            (self.interval * (1 << doublings)).min(longest)
+        };
         workers
             .into_iter()
             .filter(|w| {
-                w.active_healthy() || last_probed.get(&w.id).is_none_or(|&at| now >= at + self.unhealthy_interval)
+                let waited = |at: &tokio::time::Instant| *at + wait(w) < now + self.interval;
+                w.active_healthy() || last_probed.get(&w.id).is_none_or(waited)
             })
             .collect()
     }
@@ -347,6 +360,44 @@ fn parse_report(rank: &Value) -> Option<EngineReport> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A worker down is probed after the interval, then after twice as long for each further failure, up to
+    /// `unhealthy_interval_ms`; one in service at every round.
+    #[tokio::test(start_paused = true)]
+    async fn down_workers_are_probed_less_and_less_often() {
+        let state = AppState::new(crate::GatewayConfig::default()).await.unwrap();
+        let worker = crate::WorkerConfig {
+            url: "http://10.0.0.1:8000".into(),
+            backend: Backend::Vllm,
+            dp_size: Some(1),
+            ..Default::default()
+        };
+        let info = WorkerInfo {
+            dp_size: 1,
+            kv_capacity: None,
+            models: Vec::new(),
+        };
+        let id = state.registry.add_worker(&worker, info).unwrap();
+        let prober = Prober::new(Arc::clone(&state));
+        let start = tokio::time::Instant::now();
+        // The first round (in seconds from the last probe, rounds every 2 s) at which the worker is due.
+        let first_due = || {
+            lock(&prober.last_probed).insert(id, start);
+            (0..20u64).map(|k| 2 * k).find(|&s| {
+                !prober
+                    .due(state.registry.workers(), start + Duration::from_secs(s))
+                    .is_empty()
+            })
+        };
+        assert_eq!(first_due(), Some(0), "in service: every round");
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            state.registry.record_probe(id, false);
+            waits.push(first_due().unwrap());
+        }
+        // The first failure leaves it in service (failure_threshold 2); then 2, 4, 8 s, and 10 s at most.
+        assert_eq!(waits, [0, 2, 4, 8, 10, 10]);
+    }
 
     #[test]
     fn parses_sglang_load_entries() {

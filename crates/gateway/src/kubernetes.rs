@@ -157,9 +157,10 @@ impl Api {
                     if let Some((count, first)) = unreadable {
                         tracing::warn!(%path, count, first = %clip(&first), "objects that do not read skipped");
                     }
-                    let version = page.metadata.resource_version.ok_or_else(|| {
-                        ApiError::Other(format!("{path}: the list has no metadata.resourceVersion"))
-                    })?;
+                    let version = page
+                        .metadata
+                        .resource_version
+                        .ok_or_else(|| ApiError::Other(format!("{path}: the list has no metadata.resourceVersion")))?;
                     return Ok((items, version));
                 }
             }
@@ -294,7 +295,9 @@ fn check_status(status: StatusCode, body: &[u8], path: &str) -> Result<(), ApiEr
         #[serde(default)]
         message: String,
     }
-    let message = serde_json::from_slice::<Status>(body).map(|s| s.message).unwrap_or_default();
+    let message = serde_json::from_slice::<Status>(body)
+        .map(|s| s.message)
+        .unwrap_or_default();
     let message = clip(&message);
     let hint = match status {
         StatusCode::UNAUTHORIZED => " (the token is not accepted)",
@@ -429,10 +432,7 @@ impl<O, F> Objects<O, F> {
         let name = |o: &T| o.meta().name.clone();
         match change {
             Change::Listed(items) => {
-                self.by_name = items
-                    .iter()
-                    .filter_map(|o| Some((name(o)?, (self.read)(o))))
-                    .collect();
+                self.by_name = items.iter().filter_map(|o| Some((name(o)?, (self.read)(o)))).collect();
             }
             Change::Event(Event::Added(o) | Event::Modified(o)) => {
                 if let Some(n) = name(&o) {

@@ -87,7 +87,10 @@ fn a_pod_counts_while_ready_with_an_ip_and_not_deleting() {
     let mut bad = ready.clone();
     bad["metadata"]["annotations"] = json!({"dprouter.io/dp-size": "many"});
     assert!(pod_workers(&pod(bad), &[8000], &WorkerTemplate::default()).is_empty());
-    assert_eq!(pod_workers(&pod(ready), &[8000, 8001], &WorkerTemplate::default()).len(), 2);
+    assert_eq!(
+        pod_workers(&pod(ready), &[8000, 8001], &WorkerTemplate::default()).len(),
+        2
+    );
 }
 
 #[test]

@@ -46,8 +46,8 @@ use tokio::time::Instant;
 use crate::config::ServerConfig;
 use crate::drain_deadline::DrainDeadline;
 use crate::in_flight::WithGuard;
-use crate::throttled::Throttled;
 use crate::parse_errors::JsonParseErrors;
+use crate::throttled::Throttled;
 
 /// Under pressure (no free connection slot, or no file descriptor), connections idle at least this long are
 /// closed. The grace keeps a client's pooled connection that it is about to reuse from being closed under it.

@@ -268,6 +268,11 @@ impl WorkerState {
         self.active_healthy.load(Relaxed)
     }
 
+    /// Failed probes in a row.
+    pub fn probe_failures(&self) -> u32 {
+        self.probe_failures.load(Relaxed)
+    }
+
     pub fn endpoint_healthy(&self, e: &EndpointState) -> bool {
         self.active_healthy() && !e.ejected()
     }
@@ -405,7 +410,12 @@ impl Registry {
 
     /// The workers of one backend.
     pub fn workers_of(&self, backend: Backend) -> Vec<Arc<WorkerState>> {
-        self.lock().list.iter().filter(|w| w.backend == backend).cloned().collect()
+        self.lock()
+            .list
+            .iter()
+            .filter(|w| w.backend == backend)
+            .cloned()
+            .collect()
     }
 
     /// Completes when a request failure asks for a probe round now.

@@ -571,7 +571,8 @@ async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value> {
 /// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.
 async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     let membership = state.registry.membership();
-    let ranks: std::collections::HashMap<_, _> = membership.targets.iter().enumerate().map(|(r, t)| (t.id, r)).collect();
+    let ranks: std::collections::HashMap<_, _> =
+        membership.targets.iter().enumerate().map(|(r, t)| (t.id, r)).collect();
     let rank_of = |id| ranks.get(&id).copied();
     let workers: Vec<Value> = state
         .registry

@@ -77,7 +77,7 @@ impl AppState {
             responses: Arc::new(crate::response_homes::ResponseHomes::new(
                 crate::response_homes::REMEMBERED,
             )),
-            bodies: crate::body_budget::BodyBudget::new(config.max_buffered_body_bytes),
+            bodies: crate::body_budget::BodyBudget::new(config.body_budget()),
             drain_deadline: Default::default(),
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),
             decisions: Default::default(),
@@ -131,10 +131,13 @@ impl AppState {
                 message,
             })?;
         // The registry checks again, atomically: another request may have added it while this one asked.
-        let id = self.registry.add_worker(worker, info.clone()).map_err(|id| StartError::Duplicate {
-            url: worker.url.clone(),
-            id: id.0,
-        })?;
+        let id = self
+            .registry
+            .add_worker(worker, info.clone())
+            .map_err(|id| StartError::Duplicate {
+                url: worker.url.clone(),
+                id: id.0,
+            })?;
         // The capacity the worker got: the configured one, else what the engine said.
         let kv_capacity = worker.kv_capacity_tokens.or(info.kv_capacity);
         tracing::info!(url = %worker.url, backend = worker.backend.as_str(), dp_size = info.dp_size,

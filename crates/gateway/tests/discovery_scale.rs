@@ -120,10 +120,18 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
         assert!(started.elapsed() < Duration::from_secs(60), "not applied in 60 s");
     }
     let applied = applied.unwrap();
-    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), [200], "answers during the sync: {statuses:?}");
+    assert_eq!(
+        statuses.keys().copied().collect::<Vec<_>>(),
+        [200],
+        "answers during the sync: {statuses:?}"
+    );
     let membership = state.registry.membership();
     assert_eq!(membership.snapshot.len(), COUNT + 1);
-    assert_eq!(membership.snapshot.healthy(), [0], "only the engine that answers is routable");
+    assert_eq!(
+        membership.snapshot.healthy(),
+        [0],
+        "only the engine that answers is routable"
+    );
 
     // Steady: the dead workers probed every unhealthy interval (refused at once), nothing else happening; over
     // `DPROUTER_STEADY_SECS` (default 6: longer for a figure that spans several unhealthy intervals).
@@ -132,7 +140,10 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
     let quiet = Instant::now();
     tokio::time::sleep(Duration::from_secs(seconds)).await;
     let steady = (cpu_seconds() - cpu) / quiet.elapsed().as_secs_f64();
-    println!("{COUNT} EndpointSlices applied in {applied:?}; steady CPU {:.0}% of a core", steady * 100.0);
+    println!(
+        "{COUNT} EndpointSlices applied in {applied:?}; steady CPU {:.0}% of a core",
+        steady * 100.0
+    );
 
     // A slice deleted: its worker leaves.
     api.delete(SLICES, "llama-0");
@@ -183,7 +194,9 @@ fn client() -> Client {
 async fn post(client: &Client, url: &str, body: &Value) -> u16 {
     let request = hyper::Request::post(url)
         .header("content-type", "application/json")
-        .body(dprouter_gateway::upstream::Chunks::new([bytes::Bytes::from(body.to_string())]))
+        .body(dprouter_gateway::upstream::Chunks::new([bytes::Bytes::from(
+            body.to_string(),
+        )]))
         .unwrap();
     let (status, _, _) = client
         .exchange(request, Duration::from_secs(10), 1 << 20)
@@ -203,7 +216,10 @@ async fn a_live_fleet_is_admitted_and_probed() {
     // The fleet's servers on a thread of their own, so that their CPU can be told from the gateway's.
     let (ports_tx, ports) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         runtime.block_on(async move {
             let health = axum::Router::new()
                 .route("/health", axum::routing::get(|| async { "ok" }))
@@ -242,12 +258,17 @@ async fn a_live_fleet_is_admitted_and_probed() {
     }));
     let endpoints = 2 * workers + 1;
     while state.registry.membership().snapshot.healthy().len() < endpoints {
-        assert!(started.elapsed() < Duration::from_secs(120), "not all admitted in 120 s");
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "not all admitted in 120 s"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let admitted = started.elapsed();
     let membership = state.registry.membership();
-    assert!(membership.targets[1..].iter().all(|t| &*t.models == ["llama".to_string()]));
+    assert!(membership.targets[1..]
+        .iter()
+        .all(|t| *t.models == ["llama".to_string()]));
     let seconds = std::env::var("DPROUTER_STEADY_SECS").map_or(3, |s| s.parse().unwrap());
     let (cpu, server_cpu) = (cpu_seconds(), thread_cpu_seconds(servers));
     let quiet = Instant::now();
@@ -255,7 +276,11 @@ async fn a_live_fleet_is_admitted_and_probed() {
     let elapsed = quiet.elapsed().as_secs_f64();
     let servers = (thread_cpu_seconds(servers) - server_cpu) / elapsed;
     let all = (cpu_seconds() - cpu) / elapsed;
-    assert_eq!(state.registry.membership().snapshot.healthy().len(), endpoints, "all stay up");
+    assert_eq!(
+        state.registry.membership().snapshot.healthy().len(),
+        endpoints,
+        "all stay up"
+    );
     println!(
         "{workers} live workers ({} endpoints) admitted in {admitted:?}; steady CPU {:.0}% of a core for the gateway \
          (the process {:.0}%, the fleet's servers {:.0}%)",
