@@ -313,11 +313,19 @@ impl Stream {
                     deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
                     Phase::Response(feedback)
                 }
-                (Phase::Sent(_) | Phase::Response(_), Message::ResponseTrailers(_)) => {
+                (Phase::Sent(_), Message::ResponseTrailers(_)) => {
                     self.send(protocol::trailers_reply(false)).await?;
                     deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
-                    // Trailers end the response: its feedback finishes as it is dropped.
                     Phase::Response(None)
+                }
+                (Phase::Response(mut feedback), Message::ResponseTrailers(_)) => {
+                    // Trailers end the response.
+                    if let Some(f) = feedback.as_mut() {
+                        f.finish();
+                    }
+                    self.send(protocol::trailers_reply(false)).await?;
+                    deadline = Instant::now() + ms(config.stream_idle_timeout_ms);
+                    Phase::Response(feedback)
                 }
                 (Phase::Sent(_), Message::RequestHeaders(_)) | (Phase::Response(_), Message::RequestHeaders(_)) => {
                     return Err(out_of_turn("request headers", "twice"))

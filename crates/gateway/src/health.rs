@@ -68,11 +68,10 @@ where
 }
 
 /// Probes every worker once per `interval_ms` (one that is down, or found and never up, less and less often, down
-/// to once per `unhealthy_interval_ms`: [`Prober::due`]), the round's probes spread evenly over the interval and at
-/// most
-/// `max_concurrent_probes` in flight; and at once the workers a failed request made suspect and those discovery
-/// just found ([`crate::registry::Registry::due_now`]). A found worker whose probe passes is asked what it serves
-/// and admitted ([`crate::registry::Registry::admit`]). Results are recorded in batches: one snapshot rebuild for
+/// to once per `unhealthy_interval_ms`: [`Prober::due`]), the round's probes spread evenly over the interval and
+/// at most `max_concurrent_probes` in flight; and at once the workers a failed request made suspect and those
+/// discovery just found ([`Prober::due_now`]). A found worker whose probe passes is asked what it serves and
+/// admitted ([`crate::registry::Registry::admit_all`]). Results are recorded in batches: one snapshot rebuild for
 /// many workers whose health changed.
 async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
     let interval = Duration::from_millis(state.config.health.interval_ms);
@@ -88,7 +87,7 @@ async fn probe_loop(state: Arc<AppState>, mut stop: watch::Receiver<bool>) {
                 () = &mut round, if !done => done = true,
                 () = tokio::time::sleep_until(round_start + interval), if done => break,
                 () = state.registry.probe_requested() => {
-                    let due = state.registry.due_now();
+                    let due = prober.due_now();
                     if until_stopped(&mut stop, prober.probe(due, Duration::ZERO)).await.is_none() {
                         return;
                     }
@@ -173,6 +172,15 @@ impl Prober {
                 w.active_healthy() || last_probed.get(&w.id).is_none_or(waited)
             })
             .collect()
+    }
+
+    /// The workers to probe at once: those a failed request made suspect, and those found and never probed yet
+    /// (one found earlier that has failed waits its turn in the rounds, however many requests fail elsewhere).
+    fn due_now(&self) -> Vec<Arc<WorkerState>> {
+        let last_probed = lock(&self.last_probed);
+        let mut due = self.state.registry.due_now();
+        due.retain(|w| w.unprobed.is_none() || !last_probed.contains_key(&w.id));
+        due
     }
 
     /// Probes `workers`, their start times spread evenly over `spread`, and records what they found.
@@ -397,6 +405,17 @@ mod tests {
         }
         // The first failure leaves it in service (failure_threshold 2); then 2, 4, 8 s, and 10 s at most.
         assert_eq!(waits, [0, 2, 4, 8, 10, 10]);
+
+        // A worker discovery found is probed at once, once: later it waits its turn in the rounds.
+        let found = crate::WorkerConfig {
+            url: "http://10.0.0.2:8000".into(),
+            ..worker
+        };
+        let found = state.add_found(vec![found]).pop().unwrap().unwrap();
+        let due_now = || prober.due_now().iter().map(|w| w.id).collect::<Vec<_>>();
+        assert_eq!(due_now(), [found]);
+        lock(&prober.last_probed).insert(found, start);
+        assert_eq!(due_now(), Vec::<WorkerId>::new());
     }
 
     #[test]
