@@ -57,6 +57,7 @@ pub mod telemetry;
 pub mod throttled;
 pub mod tls;
 pub mod tokens;
+pub mod trace_context;
 pub mod upstream;
 pub mod worker_config;
 

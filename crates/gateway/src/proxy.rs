@@ -26,8 +26,8 @@ use crate::upstream::Chunks;
 
 pub use crate::routing::RANK_HEADER;
 
-/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here); the request
-/// id is always there (the client's or a generated one).
+/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here, but the
+/// trace context: [`crate::trace_context`]); the request id is always there (the client's or a generated one).
 /// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
 const FORWARDED_HEADERS: [HeaderName; 4] = [
     header::AUTHORIZATION,
@@ -133,6 +133,9 @@ fn upstream_request(
         if let Some(v) = headers.get(name) {
             builder = builder.header(name, v);
         }
+    }
+    for (name, value) in crate::trace_context::propagated(headers) {
+        builder = builder.header(name, value);
     }
     let (pieces, rank_header) = routed.upstream_body(target, path_and_query);
     if let Some((name, rank)) = rank_header {

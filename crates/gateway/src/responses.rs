@@ -62,6 +62,9 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
             upstream = upstream.header(name, v);
         }
     }
+    for (name, value) in crate::trace_context::propagated(request.headers()) {
+        upstream = upstream.header(name, value);
+    }
     let upstream = upstream
         .body(crate::upstream::Chunks::default())
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))?;
