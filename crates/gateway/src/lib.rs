@@ -27,6 +27,7 @@
 //! The workspace's `tests/layers.rs` fails on an import cycle in any crate.
 
 pub mod access;
+pub mod admin;
 pub mod body;
 pub mod body_budget;
 pub mod clock;
