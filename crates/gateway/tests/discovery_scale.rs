@@ -80,6 +80,38 @@ fn config(api: &ApiServer, engine: &str) -> GatewayConfig {
     config
 }
 
+/// A gateway in this process with `config`, serving until [`Gateway::stop`].
+struct Gateway {
+    url: String,
+    state: Arc<AppState>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    serving: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Gateway {
+    async fn start(mut config: GatewayConfig) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        config.listen = listener.local_addr().unwrap();
+        let url = format!("http://{}", config.listen);
+        let state = AppState::new(config).await.unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move { drop(stopped.await) };
+        let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), shutdown));
+        Self {
+            url,
+            state,
+            stop,
+            serving,
+        }
+    }
+
+    /// Shuts it down; returns once `serve` has.
+    async fn stop(self) {
+        self.stop.send(()).unwrap();
+        self.serving.await.unwrap().unwrap();
+    }
+}
+
 async fn engine() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -94,17 +126,9 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
     for i in 0..COUNT {
         api.put(SLICES, slice(i));
     }
-    let engine = engine().await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut config = config(&api, &engine);
-    config.listen = listener.local_addr().unwrap();
-    let gateway = format!("http://{}", config.listen);
-    let state = AppState::new(config).await.unwrap();
+    let g = Gateway::start(config(&api, &engine().await)).await;
+    let (state, gateway) = (Arc::clone(&g.state), g.url.clone());
     let started = Instant::now();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
-        drop(stopped.await)
-    }));
 
     // Requests during the sync: every one reaches the engine that serves (none to an endpoint never probed).
     let client = client();
@@ -152,8 +176,7 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
         assert!(Instant::now() < deadline, "the deleted slice's worker stayed");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    stop.send(()).unwrap();
-    serving.await.unwrap().unwrap();
+    g.stop().await;
 }
 
 /// Shutdown while a large list is being applied and probed exits within the drain (1 s here), not after the
@@ -164,21 +187,12 @@ async fn shutdown_during_a_large_sync_is_not_held_up() {
     for i in 0..COUNT {
         api.put(SLICES, slice(i));
     }
-    let engine = engine().await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut config = config(&api, &engine);
-    config.listen = listener.local_addr().unwrap();
-    let state = AppState::new(config).await.unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
-        drop(stopped.await)
-    }));
+    let g = Gateway::start(config(&api, &engine().await)).await;
     while api.count("LIST") == 0 {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let asked = Instant::now();
-    stop.send(()).unwrap();
-    serving.await.unwrap().unwrap();
+    g.stop().await;
     let took = asked.elapsed();
     println!("shutdown during the sync took {took:?} (drain_timeout_ms = 1000)");
     assert!(took < Duration::from_secs(5), "{took:?}");
@@ -245,17 +259,11 @@ async fn a_live_fleet_is_admitted_and_probed() {
         slice["ports"][0]["port"] = json!(port);
         api.put(SLICES, slice);
     }
-    let engine = engine().await;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let mut config = config(&api, &engine);
+    let mut config = config(&api, &engine().await);
     config.discovery.kubernetes[0].worker.dp_size = Some(2);
-    config.listen = listener.local_addr().unwrap();
-    let state = AppState::new(config).await.unwrap();
+    let g = Gateway::start(config).await;
+    let state = Arc::clone(&g.state);
     let started = Instant::now();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = tokio::spawn(dprouter_gateway::serve(listener, Arc::clone(&state), async move {
-        drop(stopped.await)
-    }));
     let endpoints = 2 * workers + 1;
     while state.registry.membership().snapshot.healthy().len() < endpoints {
         assert!(
@@ -289,6 +297,5 @@ async fn a_live_fleet_is_admitted_and_probed() {
         all * 100.0,
         servers * 100.0
     );
-    stop.send(()).unwrap();
-    serving.await.unwrap().unwrap();
+    g.stop().await;
 }
