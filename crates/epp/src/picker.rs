@@ -142,15 +142,6 @@ impl From<Gone> for End {
     }
 }
 
-impl From<Refused> for End {
-    fn from(refused: Refused) -> Self {
-        match refused {
-            Refused::Gone => End::Gone,
-            Refused::Api(err) => End::Answer(err),
-        }
-    }
-}
-
 /// A message out of turn: the stream ends with `INVALID_ARGUMENT`.
 fn out_of_turn(what: &str, phase: &str) -> End {
     End::Grpc(Status::invalid_argument(format!("ext_proc: {what} {phase}")))
@@ -371,7 +362,7 @@ impl Stream {
     /// (`trailers`: trailers follow, the body's last chunk does not end the stream). A request of a method that
     /// takes no body (a GET) goes to the least loaded endpoint allowed, with no ticket (there is no prompt to learn
     /// from); its body, if it had one, goes on unchanged.
-    async fn route(&self, arriving: Arriving, trailers: bool) -> Result<Sent, Refused> {
+    async fn route(&self, arriving: Arriving, trailers: bool) -> Result<Sent, End> {
         let Arriving {
             headers,
             subset,
@@ -385,7 +376,7 @@ impl Stream {
         let subset = subset.as_deref();
         let allowed = |t: &Target| address(t).is_some_and(|a| subset.is_none_or(|s| s.iter().any(|x| x.contains(a))));
         if subset.is_some_and(<[Allowed]>::is_empty) {
-            return Err(Refused::Api(ApiError::Unavailable(
+            return Err(End::Answer(ApiError::Unavailable(
                 "the data plane's subset hint allows no endpoint".into(),
             )));
         }
@@ -394,11 +385,11 @@ impl Stream {
         drop(held);
         if !takes_body {
             let membership = state.registry.membership();
-            let rank = least_loaded(&membership, &allowed).ok_or(Refused::Api(ApiError::Route(
+            let rank = least_loaded(&membership, &allowed).ok_or(End::Answer(ApiError::Route(
                 dprouter_core::RouteError::NoHealthyEndpoint,
             )))?;
             let target = membership.targets[rank].clone();
-            let address = address(&target).ok_or(Refused::Gone)?;
+            let address = address(&target).ok_or(End::Gone)?;
             let (set, remove) = rank_headers(&target, None, &headers);
             self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
                 .await?;
@@ -413,12 +404,12 @@ impl Stream {
                 target,
             });
         }
-        routing::check_content_type(&header_map).map_err(Refused::Api)?;
+        routing::check_content_type(&header_map).map_err(End::Answer)?;
         let routed = routing::route(state, &path, &header_map, body, &allowed)
             .await
-            .map_err(Refused::Api)?;
+            .map_err(End::Answer)?;
         let target = routed.target().clone();
-        let address = address(&target).ok_or(Refused::Gone)?;
+        let address = address(&target).ok_or(End::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);
         let length: usize = pieces.iter().map(Bytes::len).sum();
         let (mut set, remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
@@ -551,20 +542,6 @@ fn undecodable(status: Status) -> End {
         Code::OutOfRange | Code::ResourceExhausted => End::Grpc(Status::resource_exhausted(status.message())),
         Code::Internal => End::Grpc(Status::invalid_argument(status.message())),
         _ => End::Gone,
-    }
-}
-
-/// Why a request gets no route.
-enum Refused {
-    /// The data plane has gone: nothing to answer.
-    Gone,
-    /// The client's answer.
-    Api(ApiError),
-}
-
-impl From<Gone> for Refused {
-    fn from(_: Gone) -> Self {
-        Refused::Gone
     }
 }
 
