@@ -47,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -363,8 +364,16 @@ def run(args):
         # `POST /reset_prefix_cache`, so tests start each run from a cold cache.
         "VLLM_SERVER_DEV_MODE": "1",
     })
-    out = subprocess.DEVNULL if args.quiet else None
-    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=out, stderr=out)
+    # Quiet: vLLM's output goes to a temporary log, whose tail is printed if vLLM fails to start or exits early.
+    log = tempfile.TemporaryFile(prefix="vllm-", suffix=".log") if args.quiet else None
+    child = subprocess.Popen(command, env=env, start_new_session=True, stdout=log, stderr=log)
+
+    def tail(lines=60):
+        if log is None:
+            return
+        log.seek(0)
+        text = log.read().decode("utf-8", "replace").splitlines()[-lines:]
+        print("vLLM's output, last lines:\n" + "\n".join(text), file=sys.stderr, flush=True)
 
     def stop(*_):
         # vLLM starts several processes (API server, engine cores, a coordinator): stop its whole group.
@@ -383,6 +392,7 @@ def run(args):
     if not healthy(url, time.monotonic() + args.start_timeout, child):
         code = child.poll()
         stop()
+        tail()
         if code is not None:
             sys.exit(f"vLLM exited with status {code} before it was healthy")
         sys.exit(f"vLLM at {url} did not become healthy within {args.start_timeout} s")
@@ -395,6 +405,7 @@ def run(args):
     while not done.wait(1):
         if child.poll() is not None:
             print("vLLM exited", file=sys.stderr, flush=True)
+            tail()
             break
     stop()
 
@@ -421,7 +432,8 @@ def main():
     p.add_argument("--kv-cache-gib", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--start-timeout", type=float, default=600)
-    p.add_argument("--quiet", action="store_true", help="send vLLM's output to /dev/null")
+    p.add_argument("--quiet", action="store_true",
+                   help="keep vLLM's output in a temporary log; print its tail only if vLLM fails")
     p.add_argument("extra", nargs="*", help="more `vllm serve` flags, after --")
     commands.add_parser("vllm", help="vLLM's own command line: every argument after it is vLLM's")
     args = parser.parse_args()

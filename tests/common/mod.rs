@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, dead_code)]
 
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -434,35 +435,51 @@ impl VllmEngine {
         }
         let python = vllm_python()?;
         let model = python.parent()?.parent()?.parent()?.join("smollm2");
-        let events = free_port_block();
-        let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
-        let started = Instant::now();
-        let mut child = Command::new(&python)
+        // A second try when the first fails: vLLM picks some of its own ports (the DP coordinator's) and can lose
+        // one to another process between picking and binding. The first failure's log tail is on stderr.
+        for attempt in 1..=2 {
+            let started = Instant::now();
+            let events = free_port_block();
+            let mut child = Self::launch(&python, &model, events, env);
+            let mut url = None;
+            for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+                let line = line.unwrap();
+                if line == "ready" {
+                    break;
+                }
+                url = line.strip_prefix("listening on ").map(str::to_string);
+            }
+            match url {
+                Some(url) => {
+                    eprintln!("vLLM (data parallel 2) ready at {url} after {:?}", started.elapsed());
+                    return Some(VllmEngine {
+                        url,
+                        events,
+                        _launcher: Some(std::sync::Mutex::new(child)),
+                    });
+                }
+                None => {
+                    let _ = child.wait();
+                    eprintln!("vLLM did not start (attempt {attempt} of 2, {:?})", started.elapsed());
+                }
+            }
+        }
+        panic!("vLLM did not start twice (scripts/vllm_engine.py run; its log's tail is above)")
+    }
+
+    fn launch(python: &Path, model: &Path, events: u16, env: &[(&str, &str)]) -> Child {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
+        Command::new(python)
             .arg(&script)
             .args(["run", "--quiet", "--dp-size", "2", "--model"])
-            .arg(&model)
+            .arg(model)
             .arg("--kv-events")
             .arg(format!("connect:{events}"))
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .unwrap();
-        let mut url = None;
-        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-            let line = line.unwrap();
-            if line == "ready" {
-                break;
-            }
-            url = line.strip_prefix("listening on ").map(str::to_string);
-        }
-        let url = url.unwrap_or_else(|| panic!("vLLM did not start (scripts/vllm_engine.py run)"));
-        eprintln!("vLLM (data parallel 2) ready at {url} after {:?}", started.elapsed());
-        Some(VllmEngine {
-            url,
-            events,
-            _launcher: Some(std::sync::Mutex::new(child)),
-        })
+            .unwrap()
     }
 }
 
