@@ -11,7 +11,7 @@ use clap::Args;
 use dprouter_gateway::AppState;
 
 use crate::mock_engine::shutdown_signal;
-use crate::serve::{embed_an_engine_if_no_worker, FleetArgs};
+use crate::serve::{embed_an_engine_if_no_worker, finish_tracing, start_tracing, FleetArgs};
 
 #[derive(Debug, Args)]
 pub struct EppArgs {
@@ -35,6 +35,7 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
     config.validate()?;
     let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
+        let tracing = start_tracing(&config)?;
         embed_an_engine_if_no_worker(&mut config).await?;
         let state = AppState::new(config).await?;
         let membership = state.registry.membership();
@@ -52,7 +53,9 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
         drop(out);
         tracing::info!(%grpc_addr, %http_addr, policy = state.policies.default_policy().name(), endpoints = membership.snapshot.len(), "endpoint picker started");
         let options = dprouter_epp::Options { fallbacks: args.fallbacks };
-        dprouter_epp::run(grpc, http, state, options, shutdown_signal()).await.context("serving")?;
+        let served = dprouter_epp::run(grpc, http, state, options, shutdown_signal()).await.context("serving");
+        finish_tracing(tracing).await;
+        served?;
         Ok(ExitCode::SUCCESS)
     })
 }

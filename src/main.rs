@@ -1,6 +1,5 @@
 //! The `dprouter` binary: one subcommand per job, each in its own module.
 
-use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -10,6 +9,7 @@ mod bench;
 mod cost_args;
 #[cfg(feature = "epp")]
 mod epp;
+mod logging;
 mod mock_engine;
 mod overhead;
 mod route;
@@ -43,17 +43,25 @@ enum Command {
     Overhead(overhead::OverheadArgs),
 }
 
+impl Command {
+    /// Whether the command may export trace spans (`[tracing]`, `OTEL_*`).
+    fn traces(&self) -> bool {
+        match self {
+            Command::Serve(_) => true,
+            #[cfg(feature = "epp")]
+            Command::Epp(_) => true,
+            _ => false,
+        }
+    }
+}
+
 fn main() -> ExitCode {
     alloc::configure();
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    // `serve` and `epp` install theirs once they know whether they trace.
+    if !cli.command.traces() {
+        logging::init(None);
+    }
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),
         #[cfg(feature = "epp")]

@@ -7,6 +7,10 @@
 //! `/proc/PID/stat`, all its threads). Everything shares this machine's cores, so the figures are ratios of one
 //! run, not absolute capacities; `docs/operations.md` ("Overhead") has the command and a run.
 //!
+//! With `--traced` they also run through a second gateway with tracing on, every request sampled (two spans each),
+//! exporting over OTLP/HTTP to a collector this command runs, which takes each export and keeps nothing: what
+//! tracing costs the gateway (the gateway measured first runs with tracing off, `OTEL_SDK_DISABLED=true`).
+//!
 //! With `--nginx PATH` the same loops also run through nginx, configured as a plain keep-alive reverse proxy to
 //! the same engine: a reference for what any proxy costs on the machine (two HTTP hops, four socket operations per
 //! request), which no routing work can go below.
@@ -50,6 +54,10 @@ pub struct OverheadArgs {
     /// reference: a row `nginx` under each gateway row.
     #[arg(long)]
     nginx: Option<std::path::PathBuf>,
+    /// Also measure a gateway that samples every request and exports its spans over OTLP/HTTP to a collector this
+    /// command runs: a row `traced` under each gateway row.
+    #[arg(long)]
+    traced: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -114,6 +122,9 @@ struct Row {
     /// The same through nginx, with `--nginx`.
     #[serde(skip_serializing_if = "Option::is_none")]
     nginx: Option<Through>,
+    /// The same through a gateway with every request traced, with `--traced`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    traced: Option<Through>,
 }
 
 /// One proxy's side of a measurement, against the same direct run.
@@ -156,24 +167,39 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
     if args.seconds <= 0.0 || args.concurrency.contains(&0) {
         bail!("--seconds and every --concurrency must be positive");
     }
-    let engine = Started::start(&[
-        "mock-engine",
-        "--listen",
-        "127.0.0.1:0",
-        "--preset",
-        "zero",
-        "--dp-size",
-        "4",
-    ])?;
+    let engine = Started::start(
+        &[
+            "mock-engine",
+            "--listen",
+            "127.0.0.1:0",
+            "--preset",
+            "zero",
+            "--dp-size",
+            "4",
+        ],
+        &[],
+    )?;
     let mut serve = vec!["serve", "--listen", "127.0.0.1:0", "--worker", engine.url.as_str()];
     serve.extend(args.gateway_args.iter().map(String::as_str));
-    let gateway = Started::start(&serve)?;
+    let gateway = Started::start(&serve, &[("OTEL_SDK_DISABLED", "true")])?;
     let nginx = match &args.nginx {
         Some(path) => Some(Nginx::start(path, &engine.url)?),
         None => None,
     };
     let clock_ticks = clock_ticks_per_s();
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let traced = if args.traced {
+        let collector = runtime.block_on(otlp_sink())?;
+        let env = [
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", collector.as_str()),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+            ("OTEL_TRACES_SAMPLER", "always_on"),
+            ("OTEL_SERVICE_NAME", "dprouter-overhead"),
+        ];
+        Some(Started::start(&serve, &env)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     println!(
         "{:<16} {:>5} {:>12} {:>12} {:>6} {:>10} {:>10} {:>12}",
@@ -188,6 +214,16 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
             let through = runtime.block_on(drive(&gateway.url, &body, c, time));
             let gateway_row = Through::new(&direct, through, cpu_ticks(gateway.id())? - before, clock_ticks);
             gateway_row.print(case.name(), c, &direct);
+            let traced_row = match &traced {
+                Some(traced) => {
+                    let before = cpu_ticks(traced.id())?;
+                    let side = runtime.block_on(drive(&traced.url, &body, c, time));
+                    let row = Through::new(&direct, side, cpu_ticks(traced.id())? - before, clock_ticks);
+                    row.print("  traced", c, &direct);
+                    Some(row)
+                }
+                None => None,
+            };
             let reference = match &nginx {
                 Some(nginx) => {
                     let before = nginx.cpu_ticks()?;
@@ -209,6 +245,7 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
                 added_p99_us: gateway_row.added_p99_us,
                 gateway_cpu_us_per_request: gateway_row.cpu_us_per_request,
                 nginx: reference,
+                traced: traced_row,
             };
             if errors > 0 {
                 println!("  errors: {errors} through nginx");
@@ -221,6 +258,21 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
             }
             rows.push(row);
         }
+    }
+    if let Some(traced) = &traced {
+        let scrape = runtime.block_on(metrics_text(&traced.url));
+        let count = |prefix: &str| -> f64 {
+            scrape
+                .lines()
+                .filter(|l| l.starts_with(prefix))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum()
+        };
+        println!(
+            "traced gateway: {} spans exported, {} dropped",
+            count("dprouter_trace_spans_exported_total"),
+            count("dprouter_trace_spans_dropped_total")
+        );
     }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?;
@@ -297,6 +349,45 @@ async fn exchange(client: &Client<HttpConnector, Full<Bytes>>, url: &hyper::Uri,
     }
 }
 
+/// An OTLP/HTTP collector that takes every export and keeps nothing: its base URL. Served on the runtime.
+async fn otlp_sink() -> anyhow::Result<String> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let url = format!("http://{}", listener.local_addr()?);
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|request: hyper::Request<hyper::body::Incoming>| async move {
+                    let _ = request.into_body().collect().await;
+                    // An empty ExportTraceServiceResponse: no bytes.
+                    hyper::Response::builder()
+                        .header("content-type", "application/x-protobuf")
+                        .body(Full::new(Bytes::new()))
+                });
+                let io = hyper_util::rt::TokioIo::new(socket);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    Ok(url)
+}
+
+/// A gateway's `/metrics` text (empty if it cannot be read).
+async fn metrics_text(base: &str) -> String {
+    let client: Client<HttpConnector, Full<Bytes>> = Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let Ok(url) = format!("{base}/metrics").parse::<hyper::Uri>() else {
+        return String::new();
+    };
+    match client.get(url).await {
+        Ok(response) => match response.into_body().collect().await {
+            Ok(body) => String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+            Err(_) => String::new(),
+        },
+        Err(_) => String::new(),
+    }
+}
+
 /// A `dprouter` child process listening on a loopback port; killed when dropped.
 struct Started {
     child: Child,
@@ -304,11 +395,13 @@ struct Started {
 }
 
 impl Started {
-    fn start(args: &[&str]) -> anyhow::Result<Self> {
+    /// `dprouter ARGS`, with `env` added to its environment.
+    fn start(args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let exe = std::env::current_exe()?;
         let mut child = Command::new(exe)
             .args(args)
             .env("RUST_LOG", "error")
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -155,6 +155,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.gateway_config()?;
     let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
+        let tracing = start_tracing(&config)?;
         embed_an_engine_if_no_worker(&mut config).await?;
         let listen = config.listen;
         let state = AppState::new(config).await?;
@@ -169,9 +170,35 @@ pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
         drop(out);
         let endpoints = state.registry.membership().snapshot.len();
         tracing::info!(%addr, policy = state.policies.default_policy().name(), endpoints, "gateway started");
-        serve(listener, state, shutdown_signal()).await.context("serving")?;
+        let served = serve(listener, state, shutdown_signal()).await.context("serving");
+        finish_tracing(tracing).await;
+        served?;
         Ok(ExitCode::SUCCESS)
     })
+}
+
+/// Starts exporting spans when `config` (or the environment) says so, and installs the process's log output with
+/// it (`crate::logging`). Inside the runtime.
+pub fn start_tracing(config: &GatewayConfig) -> anyhow::Result<Option<dprouter_otel::Tracing>> {
+    let tracing = match config.tracing_settings()? {
+        Some(settings) => {
+            let tracing = dprouter_otel::Tracing::start(&settings)?;
+            Some((tracing, settings))
+        }
+        None => None,
+    };
+    crate::logging::init(tracing.as_ref().map(|(t, _)| t));
+    Ok(tracing.map(|(tracing, settings)| {
+        tracing::info!(endpoint = %settings.endpoint, protocol = ?settings.protocol, sampler = ?settings.sampler, "exporting trace spans");
+        tracing
+    }))
+}
+
+/// Sends the spans still queued (for at most 5 s) once the gateway has stopped.
+pub async fn finish_tracing(tracing: Option<dprouter_otel::Tracing>) {
+    if let Some(tracing) = tracing {
+        tracing.finish(std::time::Duration::from_secs(5)).await;
+    }
 }
 
 /// Without workers, fronts a mock engine started in this process.

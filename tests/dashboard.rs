@@ -14,7 +14,11 @@ use hyper::StatusCode;
 use serde_json::{json, Value};
 
 const DASHBOARD: &str = include_str!("../deploy/grafana/dprouter.json");
-const TELEMETRY_SOURCE: &str = include_str!("../crates/gateway/src/telemetry.rs");
+/// Where the metric names are defined: the gateway's, and tracing's span counters.
+const TELEMETRY_SOURCE: &str = concat!(
+    include_str!("../crates/gateway/src/telemetry.rs"),
+    include_str!("../crates/otel/src/queue.rs")
+);
 const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];
 
 fn dashboard() -> Value {
@@ -258,7 +262,9 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
     };
     // Probes far apart: the refused connection of the first request, not a probe, takes the dead worker out.
     let config = std::env::temp_dir().join(format!("dprouter-dashboard-{}.toml", std::process::id()));
-    std::fs::write(&config, "[health]\ninterval_ms = 60000\n").unwrap();
+    // Tracing on, towards a collector that refuses connections: the span counters are exported.
+    let toml = "[health]\ninterval_ms = 60000\n[tracing]\nendpoint = \"http://127.0.0.1:1\"\n";
+    std::fs::write(&config, toml).unwrap();
     let gw = Proc::start(&[
         "serve",
         "--listen",

@@ -322,3 +322,86 @@ async fn envoy_talks_to_the_picker_over_mutual_tls() {
         .unwrap_or_default();
     assert!(answer.is_empty() || answer[0] == 0x15, "not a TLS alert: {answer:?}");
 }
+
+/// Envoy's config with OpenTelemetry tracing (every request) to the collector at `port` over gRPC.
+fn with_tracing(port: u16) -> impl FnOnce(String) -> String {
+    move |config| {
+        let tracing = "          stat_prefix: llm\n          tracing:\n            random_sampling: { value: 100 }\n            provider:\n              name: envoy.tracers.opentelemetry\n              typed_config:\n                \"@type\": type.googleapis.com/envoy.config.trace.v3.OpenTelemetryConfig\n                grpc_service: { envoy_grpc: { cluster_name: otlp }, timeout: 1s }\n                service_name: envoy\n";
+        let cluster = format!(
+            "  clusters:\n  - name: otlp\n    type: STATIC\n    connect_timeout: 1s\n    typed_extension_protocol_options:\n      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:\n        \"@type\": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions\n        explicit_http_config: {{ http2_protocol_options: {{}} }}\n    load_assignment:\n      cluster_name: otlp\n      endpoints:\n      - lb_endpoints:\n        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }} }}\n"
+        );
+        assert!(config.contains("          stat_prefix: llm\n") && config.contains("  clusters:\n"));
+        config
+            .replace("          stat_prefix: llm\n", tracing)
+            .replacen("  clusters:\n", &cluster, 1)
+    }
+}
+
+/// Tracing through Envoy: Envoy traces every request (its OpenTelemetry tracer) and the picker exports its spans,
+/// both to the test's collector. A request sent with a client's `traceparent` makes one trace, in which the
+/// picker's span is a child of Envoy's span for the ext_proc call and carries the routing facts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pickers_span_joins_the_trace_envoy_started() {
+    let (collector, endpoint) = common::otlp::grpc_collector().await;
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("epp-tracing.toml");
+    let toml = format!("[tracing]\nendpoint = {endpoint:?}\nservice_name = \"dprouter-epp\"\nschedule_delay_ms = 50\n");
+    std::fs::write(&config, toml).unwrap();
+    let picker = Picker::start(
+        &[&engine],
+        &["--policy", "round_robin", "--config", config.to_str().unwrap()],
+    );
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    let envoy = Envoy::start_edited("tracing", &[&picker.grpc], with_tracing(port)).await;
+    envoy.wait_for_healthy_pickers(1).await;
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let traceparent = format!("00-{trace}-b7ad6b7169203331-01");
+    let url = format!("{}/v1/chat/completions", envoy.url);
+    let reply = post(
+        &client(),
+        &url,
+        &[("traceparent", traceparent.as_str())],
+        &chat(0, "You are terse."),
+    )
+    .await;
+    check_route(&reply, &[&engine]);
+    // The picker's span and its parent, Envoy's: Envoy sends its spans every few seconds.
+    let found = common::eventually(Duration::from_secs(30), || {
+        let spans = collector.spans();
+        async move {
+            let of_trace = || spans.iter().filter(|(_, s)| common::otlp::hex(&s.trace_id) == trace);
+            of_trace()
+                .any(|(service, s)| service == "dprouter-epp" && of_trace().any(|(_, p)| p.span_id == s.parent_span_id))
+        }
+    })
+    .await;
+    let spans = collector.spans();
+    let report = format!("{spans:#?}");
+    assert!(found, "no picker span under an Envoy span in trace {trace}: {report}");
+    let (_, picked) = spans
+        .iter()
+        .find(|(service, s)| service == "dprouter-epp" && common::otlp::hex(&s.trace_id) == trace)
+        .unwrap();
+    let (parent_service, parent) = spans.iter().find(|(_, p)| p.span_id == picked.parent_span_id).unwrap();
+    assert_eq!(parent_service, "envoy", "{report}");
+    assert_ne!(
+        common::otlp::hex(&picked.parent_span_id),
+        "b7ad6b7169203331",
+        "the picker joined Envoy's span, not the client's: {report}"
+    );
+    eprintln!("the picker's span under Envoy's {:?}", parent.name);
+    let a = &picked.attributes;
+    let (_, rank) = label_of(&reply);
+    assert_eq!(picked.name, "POST /v1/chat/completions", "{report}");
+    assert_eq!(common::otlp::int(a, "dprouter.rank"), Some(i64::from(rank)), "{report}");
+    assert_eq!(
+        common::otlp::string(a, "dprouter.policy").as_deref(),
+        Some("round_robin")
+    );
+    assert_eq!(common::otlp::int(a, "http.response.status_code"), Some(200), "{report}");
+    assert_eq!(
+        common::otlp::int(a, "gen_ai.usage.input_tokens"),
+        reply.json["usage"]["prompt_tokens"].as_i64(),
+        "{report}"
+    );
+}

@@ -16,8 +16,10 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::conversations::{agent_pause, converse, converse_paced, hits, rank_of, summary, system_prompt};
+use common::otlp::{hex, int};
 use common::{client, eventually, get, post, Proc, VllmEngine};
 use hyper::StatusCode;
+use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use serde_json::{json, Value};
 
 /// One test at a time on the shared engine: each starts from a cold cache, and only one gateway can bind the
@@ -252,4 +254,47 @@ async fn precise_mode_follows_vllms_events_and_predicts_its_cached_tokens() {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
     let last = *predictions(&log).last().unwrap();
     assert_eq!(last, (0, 0), "{}", feeds().await);
+}
+
+/// Tracing through to the engine: a gateway exporting its spans and vLLM exporting its own
+/// (`--otlp-traces-endpoint`), both to the test's collector. A request sent with the client's `traceparent` makes
+/// one trace: the gateway's `request` span under the client's span, its `upstream` span, and vLLM's request span
+/// (`llm_request`) a child of that `upstream` span.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllms_request_span_nests_under_the_gateways_attempt_in_the_clients_trace() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let Some((collector, endpoint)) = &engine.spans else {
+        eprintln!("DPROUTER_TEST_VLLM names an engine without a collector: skipped");
+        return;
+    };
+    let tracing = format!("\n[tracing]\nendpoint = {endpoint:?}\nschedule_delay_ms = 100\n");
+    let (gw, _) = gateway(engine, "tracing", "", "policy = \"round_robin\"", &tracing);
+    let (trace, client_span) = ("5af7183fc1a54b5e9e1c2d3b4a596877", "1112131415161718");
+    let traceparent = format!("00-{trace}-{client_span}-01");
+    let body = json!({"model": "smollm2", "prompt": "Say hello.", "max_tokens": 2});
+    let url = format!("{}/v1/completions", gw.url);
+    let reply = post(&client(), &url, &[("traceparent", traceparent.as_str())], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    // vLLM sends its spans every 5 s (its SDK's default).
+    let spans = collector.trace(trace, 3).await;
+    let report = format!("{spans:#?}");
+    let named = |name: &str| spans.iter().map(|(_, s)| s).find(|s| s.name == name);
+    let request = named("POST /v1/completions").unwrap_or_else(|| panic!("no request span: {report}"));
+    let upstream = named("upstream").unwrap_or_else(|| panic!("no upstream span: {report}"));
+    assert_eq!(hex(&request.parent_span_id), client_span, "{report}");
+    assert_eq!(upstream.parent_span_id, request.span_id, "{report}");
+    let in_vllm = named("llm_request").unwrap_or_else(|| panic!("no span from vLLM: {report}"));
+    assert_eq!(in_vllm.parent_span_id, upstream.span_id, "{report}");
+    assert_eq!(in_vllm.kind, SpanKind::Server as i32, "{report}");
+    assert_eq!(
+        int(&request.attributes, "dprouter.rank"),
+        rank_of(&reply).map(|r| r as i64),
+        "{report}"
+    );
+    eprintln!(
+        "vLLM's span {} under the gateway's upstream span {} in trace {trace}",
+        hex(&in_vllm.span_id),
+        hex(&upstream.span_id)
+    );
 }

@@ -17,6 +17,7 @@ use serde_json::Value;
 pub mod conversations;
 pub mod envoy;
 pub mod memory;
+pub mod otlp;
 pub mod picker;
 
 /// A `dprouter` subprocess, killed when dropped.
@@ -410,29 +411,38 @@ pub fn sglang_site() -> Option<std::path::PathBuf> {
 pub struct VllmEngine {
     pub url: String,
     pub events: u16,
+    /// The collector the engine exports its trace spans to (`--otlp-traces-endpoint`), when it was started so.
+    pub spans: Option<(otlp::Collector, String)>,
     _launcher: Option<std::sync::Mutex<Child>>,
 }
 
 impl VllmEngine {
-    /// The shared engine, started by the first caller; `None` when vLLM cannot be installed here. To iterate on
-    /// the tests without waiting for vLLM to start each time, `DPROUTER_TEST_VLLM="URL PORT"` names one already
-    /// running (`scripts/vllm_engine.py run --kv-events connect:PORT`).
+    /// The shared engine, started by the first caller, exporting its trace spans to a collector of its own
+    /// ([`VllmEngine::spans`]); `None` when vLLM cannot be installed here. To iterate on the tests without waiting
+    /// for vLLM to start each time, `DPROUTER_TEST_VLLM="URL PORT"` names one already running
+    /// (`scripts/vllm_engine.py run --kv-events connect:PORT`; no collector then).
     pub fn shared() -> Option<&'static VllmEngine> {
         static ENGINE: std::sync::OnceLock<Option<VllmEngine>> = std::sync::OnceLock::new();
-        ENGINE.get_or_init(|| Self::start(&[])).as_ref()
+        ENGINE.get_or_init(|| Self::start_traced(&[], true)).as_ref()
     }
 
     /// A new engine, with `env` added to its environment (`PYTHONPATH`, `DPROUTER_POLICY`: a plugin); the caller
     /// keeps it for its test binary. (`DPROUTER_TEST_VLLM` does not apply: the environment is this start's.)
     pub fn start(env: &[(&str, &str)]) -> Option<VllmEngine> {
+        Self::start_traced(env, false)
+    }
+
+    fn start_traced(env: &[(&str, &str)], traced: bool) -> Option<VllmEngine> {
         if let Some(running) = std::env::var("DPROUTER_TEST_VLLM").ok().filter(|_| env.is_empty()) {
             let (url, events) = running.split_once(' ').expect("DPROUTER_TEST_VLLM=\"URL PORT\"");
             return Some(VllmEngine {
                 url: url.to_string(),
                 events: events.trim().parse().unwrap(),
+                spans: None,
                 _launcher: None,
             });
         }
+        let spans = traced.then(otlp::grpc_collector_thread);
         let python = vllm_python()?;
         let model = python.parent()?.parent()?.parent()?.join("smollm2");
         // A second try when the first fails: vLLM picks some of its own ports (the DP coordinator's) and can lose
@@ -440,7 +450,8 @@ impl VllmEngine {
         for attempt in 1..=2 {
             let started = Instant::now();
             let events = free_port_block();
-            let mut child = Self::launch(&python, &model, events, env);
+            let otlp = spans.as_ref().map(|(_, endpoint)| endpoint.as_str());
+            let mut child = Self::launch(&python, &model, events, env, otlp);
             let mut url = None;
             for line in BufReader::new(child.stdout.take().unwrap()).lines() {
                 let line = line.unwrap();
@@ -455,6 +466,7 @@ impl VllmEngine {
                     return Some(VllmEngine {
                         url,
                         events,
+                        spans,
                         _launcher: Some(std::sync::Mutex::new(child)),
                     });
                 }
@@ -467,14 +479,19 @@ impl VllmEngine {
         panic!("vLLM did not start twice (scripts/vllm_engine.py run; its log's tail is above)")
     }
 
-    fn launch(python: &Path, model: &Path, events: u16, env: &[(&str, &str)]) -> Child {
+    fn launch(python: &Path, model: &Path, events: u16, env: &[(&str, &str)], otlp: Option<&str>) -> Child {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
-        Command::new(python)
+        let mut command = Command::new(python);
+        command
             .arg(&script)
             .args(["run", "--quiet", "--dp-size", "2", "--model"])
             .arg(model)
             .arg("--kv-events")
-            .arg(format!("connect:{events}"))
+            .arg(format!("connect:{events}"));
+        if let Some(endpoint) = otlp {
+            command.args(["--", "--otlp-traces-endpoint", endpoint]);
+        }
+        command
             .envs(env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -60,6 +60,8 @@ pub struct UsageScanner {
     /// Keep the first `id` member.
     want_id: bool,
     response_id: Option<String>,
+    /// The tokens generated, as the report says ([`Self::output_tokens`]).
+    output_tokens: Option<u64>,
     /// SSE: the current line's state.
     line: Line,
     /// The JSON object being read (the whole body, or the current event's data).
@@ -89,6 +91,7 @@ impl UsageScanner {
             found: false,
             want_id: false,
             response_id: None,
+            output_tokens: None,
             line: Line::Start(0),
             json: TopLevel::default(),
             last: [b'\n', b'\n'],
@@ -117,7 +120,16 @@ impl UsageScanner {
             self.want_id = self.response_id.is_none();
         }
         self.json.want_id = self.want_id;
+        self.output_tokens = object.output_tokens(self.sse);
         object.report()
+    }
+
+    /// The tokens generated, from the object that held the report: `usage.completion_tokens` (`output_tokens` in
+    /// the Responses API), llama.cpp's `timings.predicted_n`, or SGLang's `meta_info.completion_tokens` in a whole
+    /// answer (a stream's first event already has SGLang's report, and its count of one). A stream that reports
+    /// usage in every event (vLLM's `continuous_usage_stats`) gives its first event's count.
+    pub fn output_tokens(&self) -> Option<u64> {
+        self.output_tokens.filter(|_| self.found)
     }
 
     /// Reads the next piece of the response; returns the report when this piece completes it (once per response).
@@ -291,6 +303,8 @@ struct TopLevel {
 struct UsageMember {
     #[serde(alias = "input_tokens")]
     prompt_tokens: Option<u64>,
+    #[serde(alias = "output_tokens")]
+    completion_tokens: Option<u64>,
     #[serde(alias = "input_tokens_details")]
     prompt_tokens_details: Option<Details>,
 }
@@ -304,12 +318,14 @@ struct Details {
 struct MetaInfoMember {
     prompt_tokens: Option<u64>,
     cached_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
 struct TimingsMember {
     prompt_n: Option<u64>,
     cache_n: Option<u64>,
+    predicted_n: Option<u64>,
 }
 
 impl TopLevel {
@@ -464,6 +480,18 @@ impl TopLevel {
         }
     }
 
+    /// The tokens generated, as this object reports them (see [`UsageScanner::output_tokens`]).
+    fn output_tokens(&self, sse: bool) -> Option<u64> {
+        let usage = self.usage.as_ref().and_then(|u| u.completion_tokens);
+        let timings = self.timings.as_ref().and_then(|t| t.predicted_n);
+        let meta = self
+            .meta_info
+            .as_ref()
+            .filter(|_| !sse)
+            .and_then(|m| m.completion_tokens);
+        usage.or(timings).or(meta)
+    }
+
     /// The report of a complete object: `usage` with its cached tokens, else llama.cpp's `timings`, else
     /// `usage` alone (nothing cached), else SGLang's `meta_info`.
     fn report(self) -> Option<Usage> {
@@ -510,6 +538,32 @@ mod tests {
     fn whole(body: &[u8], sse: bool) -> Option<Usage> {
         let mut s = UsageScanner::new(sse);
         s.feed(body).or_else(|| s.finish())
+    }
+
+    fn output_tokens(body: &[u8], sse: bool) -> Option<u64> {
+        let mut s = UsageScanner::new(sse);
+        s.feed(body).or_else(|| s.finish())?;
+        s.output_tokens()
+    }
+
+    #[test]
+    fn output_tokens_come_with_the_report() {
+        let openai = br#"{"usage":{"prompt_tokens":9,"completion_tokens":2}}"#;
+        assert_eq!(output_tokens(openai, false), Some(2));
+        let responses =
+            br#"{"usage":{"input_tokens":40,"input_tokens_details":{"cached_tokens":32},"output_tokens":3}}"#;
+        assert_eq!(output_tokens(responses, false), Some(3));
+        let llama = b"data: {\"choices\":[],\"timings\":{\"cache_n\":5,\"prompt_n\":3,\"predicted_n\":7}}\n\n";
+        assert_eq!(output_tokens(llama, true), Some(7));
+        let sglang = br#"{"text":"hi","meta_info":{"prompt_tokens":5,"cached_tokens":0,"completion_tokens":4}}"#;
+        assert_eq!(output_tokens(sglang, false), Some(4));
+        // SGLang's stream reports in its first event, whose count is not the answer's.
+        let sglang_stream = b"data: {\"text\":\"h\",\"meta_info\":{\"prompt_tokens\":5,\"completion_tokens\":1}}\n\n";
+        assert_eq!(output_tokens(sglang_stream, true), None);
+        // No report, no count.
+        let mut s = UsageScanner::new(false);
+        assert_eq!(s.feed(br#"{"usage":{"completion_tokens":2}}"#), None);
+        assert_eq!(s.output_tokens(), None);
     }
 
     fn usage(prompt_tokens: u64, cached_tokens: u64) -> Option<Usage> {

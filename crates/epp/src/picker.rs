@@ -18,7 +18,7 @@
 //! way, the ticket is dropped and the endpoint's load released.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
@@ -26,8 +26,11 @@ use bytes::Bytes;
 use dprouter_gateway::access::Exchange;
 use dprouter_gateway::body::Feedback;
 use dprouter_gateway::body_budget::Held;
+use dprouter_gateway::error::add_ids;
 use dprouter_gateway::registry::{Failure, Membership, Target};
 use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
+use dprouter_gateway::spans::RequestSpan;
+use dprouter_gateway::trace_context;
 use dprouter_gateway::{proxy, server, ApiError, AppState};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
@@ -62,9 +65,20 @@ impl ExternalProcessor for Picker {
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
         // A few replies at most are queued: a request's body goes out in chunks, the response's one per chunk in.
         let (tx, rx) = mpsc::channel(8);
+        // The data plane's own span for this call (Envoy's, when it traces), which the picker's span joins.
+        let mut grpc_trace = HeaderMap::new();
+        for name in [trace_context::TRACEPARENT, trace_context::TRACESTATE] {
+            if let Some(v) = request.metadata().get(name.as_str()).and_then(|v| v.to_str().ok()) {
+                if let Ok(v) = HeaderValue::from_str(v) {
+                    grpc_trace.insert(name, v);
+                }
+            }
+        }
         let stream = Stream {
             picker: self.clone(),
             tx,
+            grpc_trace,
+            trace: Default::default(),
         };
         tokio::spawn(stream.run(request.into_inner()));
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
@@ -90,6 +104,19 @@ pub fn address(target: &Target) -> Option<SocketAddr> {
 struct Stream {
     picker: Picker,
     tx: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    /// `traceparent` and `tracestate` of the gRPC call.
+    grpc_trace: HeaderMap,
+    trace: Trace,
+}
+
+/// The request's trace span and what it ends with (set as the stream goes).
+#[derive(Default)]
+struct Trace {
+    span: OnceLock<RequestSpan>,
+    request_id: OnceLock<String>,
+    /// The response's status, once its headers came.
+    status: OnceLock<u16>,
+    exchange: OnceLock<Exchange>,
 }
 
 /// Where the request went.
@@ -165,16 +192,67 @@ impl Stream {
     }
 
     async fn run(self, incoming: Streaming<ProcessingRequest>) {
-        match self.exchange(incoming).await {
-            Ok(()) | Err(End::Gone) => {}
+        let ended = self.exchange(incoming).await;
+        let span = self.trace.span.get();
+        let mut status = self.trace.status.get().copied();
+        match ended {
+            Ok(()) => {}
+            Err(End::Gone) => {
+                if let Some(span) = span.filter(|_| status.is_none()) {
+                    span.failed("the data plane closed the stream before the response");
+                }
+            }
             Err(End::Answer(err)) => {
                 tracing::debug!(status = err.status().as_u16(), error = %err, "refused");
-                let _ = self.send(protocol::immediate(err.status().as_u16(), &err.body())).await;
+                status = Some(err.status().as_u16());
+                let mut body = err.body();
+                let trace_id = span.and_then(RequestSpan::trace_id);
+                add_ids(
+                    &mut body,
+                    self.trace.request_id.get().map(String::as_str),
+                    trace_id.as_deref(),
+                );
+                let _ = self.send(protocol::immediate(err.status().as_u16(), &body)).await;
             }
-            Err(End::Grpc(status)) => {
-                tracing::debug!(code = ?status.code(), message = status.message(), "ext_proc stream ended");
-                let _ = self.tx.send(Err(status)).await;
+            Err(End::Grpc(grpc)) => {
+                tracing::debug!(code = ?grpc.code(), message = grpc.message(), "ext_proc stream ended");
+                if let Some(span) = span {
+                    span.failed(&format!("ext_proc: {:?}: {}", grpc.code(), grpc.message()));
+                }
+                let _ = self.tx.send(Err(grpc)).await;
             }
+        }
+        if let Some(span) = span {
+            let facts = self.trace.exchange.get().map(Exchange::facts).unwrap_or_default();
+            span.finish(status, facts.span_attributes());
+        }
+    }
+
+    /// Tracing on: the engine's parent is the picker's span (a data plane that traces puts its own instead).
+    fn trace_header(&self, set: &mut Vec<envoy_types::pb::envoy::config::core::v3::HeaderValueOption>) {
+        if let Some(parent) = self.trace.span.get().and_then(RequestSpan::traceparent) {
+            set.push(protocol::set_header("traceparent", parent.as_bytes()));
+        }
+    }
+
+    /// The request's span, joining the data plane's (its gRPC call's `traceparent`) or else the client's.
+    fn start_span(&self, method: &str, route: &str, headers: &HeaderMap) {
+        let mut parent = headers.clone();
+        let grpc = self.grpc_trace.get(trace_context::TRACEPARENT);
+        if grpc
+            .and_then(|v| v.to_str().ok())
+            .and_then(trace_context::traceparent)
+            .is_some()
+        {
+            parent.remove(trace_context::TRACESTATE);
+            parent.extend(self.grpc_trace.clone());
+        }
+        let _ = self.trace.span.set(RequestSpan::start(method, route, &parent));
+        if let Some(id) = headers
+            .get(dprouter_gateway::names::REQUEST_ID)
+            .and_then(|v| v.to_str().ok())
+        {
+            let _ = self.trace.request_id.set(id.to_string());
         }
     }
 
@@ -214,8 +292,14 @@ impl Stream {
                             "ext_proc: request headers without :method or :path",
                         )));
                     };
-                    server::public_route(method, path).map_err(End::Answer)?;
-                    first_byte = proxy::first_byte_timeout(&state, &header_map(&headers)).map_err(End::Answer)?;
+                    let route = server::public_route(method, path);
+                    let map = header_map(&headers);
+                    let traced = route.as_ref().map_or("unmatched", |r| r);
+                    if server::is_traced(traced) {
+                        self.start_span(method, traced, &map);
+                    }
+                    route.map_err(End::Answer)?;
+                    first_byte = proxy::first_byte_timeout(&state, &map).map_err(End::Answer)?;
                     let arriving = Arriving {
                         subset: protocol::subset_hint(metadata),
                         headers,
@@ -390,7 +474,8 @@ impl Stream {
             )))?;
             let target = membership.targets[rank].clone();
             let address = address(&target).ok_or(End::Gone)?;
-            let (set, remove) = rank_headers(&target, None, &headers);
+            let (mut set, remove) = rank_headers(&target, None, &headers);
+            self.trace_header(&mut set);
             self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
                 .await?;
             if !body.is_empty() {
@@ -414,6 +499,7 @@ impl Stream {
         let length: usize = pieces.iter().map(Bytes::len).sum();
         let (mut set, remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
         set.push(protocol::set_header("content-length", length.to_string()));
+        self.trace_header(&mut set);
         let destination = self.destination(&routed, &target, address, &allowed);
         self.send(protocol::request_headers_reply(&destination, set, remove))
             .await?;
@@ -473,6 +559,7 @@ impl Stream {
         let status: u16 = protocol::header(headers, ":status")
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
+        let _ = self.trace.status.set(status);
         if let Some(served) = protocol::served(metadata).filter(|a| *a != sent.address) {
             self.served_elsewhere(sent, served);
         }
@@ -487,12 +574,16 @@ impl Stream {
         let sse = protocol::header(headers, "content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
         let feedback = sent.routed.take().map(|routed| {
             let exchange = Exchange::new();
-            exchange.routed(
-                label.clone(),
-                routed.ticket.pick.branch.as_str(),
-                routed.served.clone().or(routed.model.clone()),
-            );
+            exchange.routed(dprouter_gateway::access::Routing {
+                endpoint: label.clone(),
+                rank: sent.target.id.dp_rank,
+                policy: state.policies.default_policy().name(),
+                branch: routed.ticket.pick.branch.as_str(),
+                model: routed.served.clone().or(routed.model.clone()),
+                retries: 0,
+            });
             let remember = routed.responses_api && (200..300).contains(&status);
+            let _ = self.trace.exchange.set(exchange.clone());
             let feedback = Feedback::new(routed.ticket, sse, received, exchange);
             if remember {
                 feedback.remembering_the_response(Arc::clone(&state.responses))

@@ -8,8 +8,10 @@
 //! response body and reads it at the end.
 //!
 //! The access log line goes to the `dprouter::access` log target at `info`, with the fields `method`, `path`,
-//! `status`, `duration_ms`, `request_id`, and for proxied requests `model`, `endpoint`, `branch`, `ttft_ms`,
-//! `prompt_tokens`, `cached_tokens`, `predicted_cached_tokens` (absent when unknown).
+//! `status`, `duration_ms`, `request_id`, `trace_id` (when tracing is on), and for proxied requests `model`,
+//! `policy`, `endpoint`, `rank`, `branch`, `retries`, `ttft_ms`, `prompt_tokens`, `cached_tokens`,
+//! `predicted_cached_tokens`, `output_tokens` (absent when unknown). With tracing on, the request's span
+//! ([`crate::spans`]) ends here too, with the same facts as attributes.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU16, AtomicU64, Ordering::Relaxed};
@@ -42,8 +44,25 @@ struct ExchangeState {
     cached_tokens: AtomicU64,
     /// The cached tokens the policy predicted, `u64::MAX` if it did not.
     predicted_cached_tokens: AtomicU64,
-    /// The endpoint, the routing branch and the request's `model`.
-    routed: OnceLock<(String, &'static str, Option<String>)>,
+    /// Tokens generated, as the engine reported them, `u64::MAX` before (or without) a report.
+    output_tokens: AtomicU64,
+    routed: OnceLock<Routing>,
+    /// The attempt that answered, ended when the exchange is dropped (with the answer).
+    attempt: OnceLock<crate::spans::AttemptSpan>,
+}
+
+/// Where a request went and how it was chosen.
+#[derive(Debug, Clone)]
+pub struct Routing {
+    pub endpoint: String,
+    /// The rank within its worker.
+    pub rank: u32,
+    pub policy: &'static str,
+    pub branch: &'static str,
+    /// The request's `model` (as served).
+    pub model: Option<String>,
+    /// Attempts before the one that answered.
+    pub retries: u32,
 }
 
 const UNKNOWN: u64 = u64::MAX;
@@ -55,14 +74,20 @@ impl Exchange {
             prompt_tokens: AtomicU64::new(UNKNOWN),
             cached_tokens: AtomicU64::new(UNKNOWN),
             predicted_cached_tokens: AtomicU64::new(UNKNOWN),
+            output_tokens: AtomicU64::new(UNKNOWN),
             ..ExchangeState::default()
         };
         Self(Arc::new(state))
     }
 
     /// Where the request went.
-    pub fn routed(&self, endpoint: String, branch: &'static str, model: Option<String>) {
-        let _ = self.0.routed.set((endpoint, branch, model));
+    pub fn routed(&self, routing: Routing) {
+        let _ = self.0.routed.set(routing);
+    }
+
+    /// The attempt that answered: its span lasts as long as the answer.
+    pub fn answered_by(&self, attempt: crate::spans::AttemptSpan) {
+        let _ = self.0.attempt.set(attempt);
     }
 
     /// The answer broke or stalled after its head: it ends as `status`.
@@ -74,9 +99,13 @@ impl Exchange {
         self.0.ttft_us.store(after.as_micros() as u64, Relaxed);
     }
 
-    pub fn usage(&self, prompt_tokens: u64, cached_tokens: u64) {
-        self.0.prompt_tokens.store(prompt_tokens, Relaxed);
-        self.0.cached_tokens.store(cached_tokens, Relaxed);
+    /// The engine's usage report, and the tokens it generated when the report says.
+    pub fn usage(&self, usage: &dprouter_core::Usage, output_tokens: Option<u64>) {
+        self.0.prompt_tokens.store(usage.prompt_tokens, Relaxed);
+        self.0.cached_tokens.store(usage.cached_tokens, Relaxed);
+        if let Some(out) = output_tokens {
+            self.0.output_tokens.store(out, Relaxed);
+        }
     }
 
     /// The cached tokens the policy predicted for the request.
@@ -87,20 +116,82 @@ impl Exchange {
     fn status(&self) -> Option<u16> {
         Some(self.0.status.load(Relaxed)).filter(|&s| s != 0)
     }
+
+    /// What the exchange has learned so far.
+    pub fn facts(&self) -> Facts<'_> {
+        let known = |v: &AtomicU64| Some(v.load(Relaxed)).filter(|&v| v != UNKNOWN);
+        let state = &*self.0;
+        Facts {
+            routed: state.routed.get(),
+            ttft_ms: known(&state.ttft_us).map(|us| us as f64 / 1e3),
+            prompt_tokens: known(&state.prompt_tokens),
+            cached_tokens: known(&state.cached_tokens),
+            predicted_cached_tokens: known(&state.predicted_cached_tokens),
+            output_tokens: known(&state.output_tokens),
+        }
+    }
 }
 
-/// What the metrics and the access log say of a request besides the exchange, taken when it arrives.
+/// What an exchange taught: the access log's fields, and the request span's attributes.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Facts<'a> {
+    pub routed: Option<&'a Routing>,
+    pub ttft_ms: Option<f64>,
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub predicted_cached_tokens: Option<u64>,
+    pub output_tokens: Option<u64>,
+}
+
+impl Facts<'_> {
+    /// As trace span attributes ([`crate::spans`]).
+    pub fn span_attributes(&self) -> Vec<opentelemetry::KeyValue> {
+        use opentelemetry::{KeyValue, Value};
+        let int = |v: u64| Value::I64(v.min(i64::MAX as u64) as i64);
+        let mut out = Vec::with_capacity(12);
+        if let Some(r) = self.routed {
+            if let Some(model) = &r.model {
+                out.push(KeyValue::new("gen_ai.request.model", model.clone()));
+            }
+            out.push(KeyValue::new("dprouter.policy", r.policy));
+            out.push(KeyValue::new("dprouter.endpoint", r.endpoint.clone()));
+            out.push(KeyValue::new("dprouter.rank", int(u64::from(r.rank))));
+            out.push(KeyValue::new("dprouter.branch", r.branch));
+            out.push(KeyValue::new("dprouter.retries", int(u64::from(r.retries))));
+        }
+        let numbers = [
+            ("gen_ai.usage.input_tokens", self.prompt_tokens),
+            ("dprouter.cached_tokens", self.cached_tokens),
+            ("dprouter.predicted_cached_tokens", self.predicted_cached_tokens),
+            ("gen_ai.usage.output_tokens", self.output_tokens),
+        ];
+        out.extend(numbers.into_iter().filter_map(|(k, v)| Some(KeyValue::new(k, int(v?)))));
+        if let Some(ms) = self.ttft_ms {
+            out.push(KeyValue::new("dprouter.ttft_ms", ms));
+        }
+        out
+    }
+}
+
+/// What the metrics, the access log and the trace say of a request besides the exchange, taken when it arrives.
 pub struct Request {
     route: String,
     started: Instant,
     /// Method, path and request id, kept only when the access log is on.
     logged: Option<(String, String, String)>,
+    span: crate::spans::RequestSpan,
 }
 
 impl Request {
-    /// `request`, arrived at `started`, matched to `route` (the metrics label); with `access_log`, what its line
-    /// needs.
-    pub fn of(request: &axum::extract::Request, route: String, started: Instant, access_log: bool) -> Self {
+    /// `request`, arrived at `started`, matched to `route` (the metrics label), traced in `span`; with
+    /// `access_log`, what its line needs.
+    pub fn of(
+        request: &axum::extract::Request,
+        route: String,
+        started: Instant,
+        access_log: bool,
+        span: crate::spans::RequestSpan,
+    ) -> Self {
         let logged = access_log.then(|| {
             let id = request
                 .headers()
@@ -113,7 +204,12 @@ impl Request {
                 id.to_string(),
             )
         });
-        Self { route, started, logged }
+        Self {
+            route,
+            started,
+            logged,
+            span,
+        }
     }
 }
 
@@ -150,12 +246,14 @@ impl Counted {
         let duration = self.request.started.elapsed();
         metrics::counter!(REQUESTS, "route" => self.request.route.clone(), "status" => status.to_string()).increment(1);
         metrics::histogram!(DURATION, "route" => self.request.route.clone()).record(duration.as_secs_f64());
+        let facts = self.exchange.as_ref().map(Exchange::facts).unwrap_or_default();
+        let span = &self.request.span;
+        if span.is_recording() {
+            span.finish(Some(status), facts.span_attributes());
+        }
         let Some((method, path, request_id)) = &self.request.logged else {
             return;
         };
-        let known = |v: &AtomicU64| Some(v.load(Relaxed)).filter(|&v| v != UNKNOWN);
-        let state = self.exchange.as_ref().map(|e| &*e.0);
-        let routed = state.and_then(|s| s.routed.get());
         tracing::info!(
             target: "dprouter::access",
             method = %method,
@@ -163,13 +261,18 @@ impl Counted {
             status,
             duration_ms = duration.as_secs_f64() * 1e3,
             request_id = %request_id,
-            model = routed.and_then(|r| r.2.as_deref()),
-            endpoint = routed.map(|r| r.0.as_str()),
-            branch = routed.map(|r| r.1),
-            ttft_ms = state.and_then(|s| known(&s.ttft_us)).map(|us| us as f64 / 1e3),
-            prompt_tokens = state.and_then(|s| known(&s.prompt_tokens)),
-            cached_tokens = state.and_then(|s| known(&s.cached_tokens)),
-            predicted_cached_tokens = state.and_then(|s| known(&s.predicted_cached_tokens)),
+            trace_id = span.trace_id().as_deref(),
+            model = facts.routed.and_then(|r| r.model.as_deref()),
+            policy = facts.routed.map(|r| r.policy),
+            endpoint = facts.routed.map(|r| r.endpoint.as_str()),
+            rank = facts.routed.map(|r| r.rank),
+            branch = facts.routed.map(|r| r.branch),
+            retries = facts.routed.map(|r| r.retries),
+            ttft_ms = facts.ttft_ms,
+            prompt_tokens = facts.prompt_tokens,
+            cached_tokens = facts.cached_tokens,
+            predicted_cached_tokens = facts.predicted_cached_tokens,
+            output_tokens = facts.output_tokens,
         );
     }
 }

@@ -68,10 +68,19 @@ pub struct Feedback {
     homes: Option<Arc<ResponseHomes>>,
 }
 
+/// The cached tokens the policy predicted for the ticket's request, when it predicted.
+fn predicted_cached_tokens(ticket: &GatewayTicket) -> Option<u64> {
+    let prefill = ticket.pick.prefill_tokens?;
+    Some(ticket.request().input_tokens.saturating_sub(prefill))
+}
+
 impl Feedback {
     /// For an answer to the request of `ticket` that arrived at `received`; `sse` when the answer is a stream.
     pub fn new(ticket: GatewayTicket, sse: bool, received: Instant, exchange: Exchange) -> Self {
         let endpoint = ticket.endpoint;
+        if let Some(predicted) = predicted_cached_tokens(&ticket) {
+            exchange.predicted(predicted);
+        }
         Self {
             ticket: Some(ticket),
             endpoint,
@@ -135,14 +144,12 @@ impl Feedback {
 
     /// The engine's usage report was read: to the metrics and to the policy.
     fn report(&mut self, usage: Usage) {
-        self.exchange.usage(usage.prompt_tokens, usage.cached_tokens);
+        self.exchange.usage(&usage, self.scanner.output_tokens());
         metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => self.label.clone()).increment(usage.prompt_tokens);
         metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => self.label.clone()).increment(usage.cached_tokens);
         if let Some(ticket) = self.ticket.as_mut() {
             // How far the policy's prediction of cached tokens was from the engine's report.
-            if let Some(prefill) = ticket.pick.prefill_tokens {
-                let predicted = ticket.request().input_tokens.saturating_sub(prefill);
-                self.exchange.predicted(predicted);
+            if let Some(predicted) = predicted_cached_tokens(ticket) {
                 metrics::histogram!(telemetry::PREDICTION_ERROR, "endpoint" => self.label.clone())
                     .record(predicted.abs_diff(usage.cached_tokens) as f64);
             }

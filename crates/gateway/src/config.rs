@@ -222,6 +222,8 @@ pub struct GatewayConfig {
     pub stream_idle_timeout_ms: u64,
     /// How long an upstream connection may sit unused in the pool before it is closed, milliseconds.
     pub upstream_idle_timeout_ms: u64,
+    /// OpenTelemetry tracing (`[tracing]`, and the `OTEL_*` variables): off unless an endpoint is given.
+    pub tracing: dprouter_otel::TracingConfig,
 }
 
 impl Default for GatewayConfig {
@@ -249,6 +251,7 @@ impl Default for GatewayConfig {
             first_byte_timeout_ms: 300_000,
             stream_idle_timeout_ms: 300_000,
             upstream_idle_timeout_ms: 30_000,
+            tracing: Default::default(),
         }
     }
 }
@@ -310,6 +313,13 @@ impl GatewayConfig {
         }
     }
 
+    /// Tracing's settings from `[tracing]` and the process's `OTEL_*` variables; `None` when tracing is off.
+    pub fn tracing_settings(&self) -> Result<Option<dprouter_otel::Settings>, ConfigError> {
+        self.tracing
+            .resolve(&|name| std::env::var(name).ok())
+            .map_err(|e| ConfigError::Invalid(e.to_string()))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut urls = std::collections::HashSet::new();
         for w in &self.workers {
@@ -323,6 +333,7 @@ impl GatewayConfig {
             .validate()
             .map_err(|e| ConfigError::Invalid(format!("routing: {e}")))?;
         self.check_events_are_followed()?;
+        self.tracing_settings()?;
         if let Some(name) = &self.session_header {
             if hyper::header::HeaderName::from_bytes(name.as_bytes()).is_err() {
                 return Err(ConfigError::Invalid(format!(

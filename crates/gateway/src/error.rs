@@ -95,9 +95,43 @@ impl ApiError {
     }
 }
 
+/// A gateway error's body, kept in its response's extensions so that the ids of its request and trace are added
+/// as it leaves ([`identified`]).
+#[derive(Debug, Clone)]
+pub struct ErrorBody(serde_json::Value);
+
+/// `request_id` and `trace_id` (when there are) into an error body's `error` object.
+pub fn add_ids(body: &mut serde_json::Value, request_id: Option<&str>, trace_id: Option<&str>) {
+    if let Some(error) = body.get_mut("error").and_then(serde_json::Value::as_object_mut) {
+        if let Some(id) = request_id {
+            error.insert("request_id".into(), id.into());
+        }
+        if let Some(id) = trace_id {
+            error.insert("trace_id".into(), id.into());
+        }
+    }
+}
+
+/// `response` with `request_id` and `trace_id` (when there are) in its `error` object, when it is one of the
+/// gateway's own errors; any other response as it is.
+pub fn identified(mut response: Response, request_id: Option<&str>, trace_id: Option<&str>) -> Response {
+    let Some(ErrorBody(mut body)) = response.extensions_mut().remove::<ErrorBody>() else {
+        return response;
+    };
+    add_ids(&mut body, request_id, trace_id);
+    let Ok(bytes) = serde_json::to_vec(&body) else {
+        return response;
+    };
+    response.headers_mut().remove(axum::http::header::CONTENT_LENGTH);
+    *response.body_mut() = axum::body::Body::from(bytes);
+    response
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut response = (self.status(), Json(self.body())).into_response();
+        let body = self.body();
+        let mut response = (self.status(), Json(&body)).into_response();
+        response.extensions_mut().insert(ErrorBody(body));
         if matches!(self, ApiError::TooLarge { .. }) {
             // The rest of a refused body may still be on its way: the connection is not reused.
             response.headers_mut().insert(
@@ -153,5 +187,28 @@ mod tests {
             );
             assert_eq!(body["error"]["message"], err.to_string());
         }
+    }
+
+    #[tokio::test]
+    async fn the_ids_go_into_the_gateways_own_error_bodies_only() {
+        use http_body_util::BodyExt;
+        let read = |r: Response| async move {
+            let bytes = r.into_body().collect().await.unwrap().to_bytes();
+            serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()
+        };
+        let ours = identified(ApiError::NotFound("x".into()).into_response(), Some("r1"), Some("t1"));
+        let body = read(ours).await;
+        assert_eq!(
+            (body["error"]["request_id"].as_str(), body["error"]["trace_id"].as_str()),
+            (Some("r1"), Some("t1"))
+        );
+        assert_eq!(body["error"]["code"], 404);
+        let untraced = read(identified(ApiError::Unauthorized.into_response(), Some("r2"), None)).await;
+        assert_eq!(untraced["error"]["request_id"], "r2");
+        assert!(untraced["error"].get("trace_id").is_none());
+        // An engine's answer is not the gateway's to change.
+        let engine = (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "engine"}}))).into_response();
+        let body = read(identified(engine, Some("r3"), Some("t3"))).await;
+        assert!(body["error"].get("request_id").is_none());
     }
 }

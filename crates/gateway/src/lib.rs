@@ -11,7 +11,8 @@
 //!    request-id header, the limits of a request head), [`crate::worker_config`] (one worker's),
 //!    [`crate::discovery_config`], [`crate::config`] (the whole), [`crate::error`], [`crate::clock`],
 //!    [`crate::tls`], [`crate::response_homes`], [`crate::drain_deadline`], [`crate::runtime`] (the runtime both
-//!    front doors run on).
+//!    front doors run on), [`crate::trace_context`] and [`crate::spans`] (the trace context the engines get, and
+//!    the gateway's trace spans).
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
@@ -53,6 +54,7 @@ pub mod responses;
 pub mod routing;
 pub mod runtime;
 pub mod server;
+pub mod spans;
 pub mod state;
 pub mod telemetry;
 pub mod throttled;

@@ -16,10 +16,12 @@ use bytes::Bytes;
 use dprouter_core::{Branch, WorkerId};
 use http_body_util::BodyExt;
 
+use crate::access::Routing;
 use crate::body::{GatewayTicket, GuardedBody, Timing};
 use crate::error::ApiError;
 use crate::registry::{Failure, Target};
 use crate::routing::Routed;
+use crate::spans::{AttemptSpan, RequestSpan};
 use crate::state::AppState;
 use crate::telemetry;
 use crate::upstream::Chunks;
@@ -121,11 +123,13 @@ async fn discard(body: &mut Body) {
 
 /// The upstream request for `target`: the same path and query, the client's body without its rank override
 /// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
+/// The engine's parent span is `traceparent` when tracing is on (the attempt's span), the client's otherwise.
 fn upstream_request(
     routed: &Routed,
     target: &Target,
     path_and_query: &str,
     headers: &HeaderMap,
+    traceparent: Option<HeaderValue>,
 ) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
@@ -134,7 +138,7 @@ fn upstream_request(
             builder = builder.header(name, v);
         }
     }
-    for (name, value) in crate::trace_context::propagated(headers) {
+    for (name, value) in crate::trace_context::propagated(headers, traceparent) {
         builder = builder.header(name, value);
     }
     let (pieces, rank_header) = routed.upstream_body(target, path_and_query);
@@ -163,13 +167,19 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
     let mut routed = crate::routing::route(state, &path_and_query, &parts.headers, bytes, &|_| true).await?;
     let membership = Arc::clone(&routed.membership);
+    let span = parts
+        .extensions
+        .get::<RequestSpan>()
+        .cloned()
+        .unwrap_or_else(RequestSpan::none);
     // Workers that refused this request's connection.
     let mut refused: Vec<WorkerId> = Vec::new();
     loop {
         let target = &membership.targets[routed.ticket.pick.rank];
         let branch = routed.ticket.pick.branch;
         let label = target.label();
-        let upstream = upstream_request(&routed, target, &path_and_query, &parts.headers)?;
+        let attempt = span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+        let upstream = upstream_request(&routed, target, &path_and_query, &parts.headers, attempt.traceparent())?;
         let timing = Timing {
             received,
             first_byte: tokio::time::Instant::now() + first_byte_timeout,
@@ -181,6 +191,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
             metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout")
                 .increment(1);
             tracing::warn!(endpoint = %label, "no response head within {first_byte_timeout:?}");
+            attempt.failed("no response head in time");
             state
                 .registry
                 .record_failure(target.id, Failure::engine(branch), Instant::now());
@@ -201,15 +212,31 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 } else if status.is_success() {
                     target.state.record_success();
                 }
+                attempt.answered(status.as_u16());
                 let remember = routed.responses_api && status.is_success();
-                let model = routed.served.clone().or(routed.model.clone());
-                return Ok(relay(state, response, routed.ticket, target, timing, model, remember));
+                let routing = Routing {
+                    endpoint: label,
+                    rank: target.id.dp_rank,
+                    policy: state.policies.default_policy().name(),
+                    branch: branch.as_str(),
+                    model: routed.served.clone().or(routed.model.clone()),
+                    retries: refused.len() as u32,
+                };
+                let answer = Answer {
+                    response,
+                    routing,
+                    attempt,
+                    timing,
+                    remember,
+                };
+                return Ok(relay(state, answer, routed.ticket, target));
             }
             Err(err) => {
                 let message = crate::upstream::error_chain(&err);
                 let kind = if err.is_connect() { "connect" } else { "server" };
                 metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
                 tracing::warn!(endpoint = %label, error = %message, "upstream request failed");
+                attempt.failed(&message);
                 // A connection that broke after the request was sent may be this request's own fault (an engine
                 // refusing its body by closing the connection): it asks for a probe but does not count.
                 let failure = if err.is_connect() {
@@ -267,17 +294,25 @@ pub fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Durat
     Ok(Duration::from_millis(asked.min(configured)))
 }
 
-/// The client's response: the upstream status and headers, and the upstream body behind the load guard; with
-/// `remember`, the endpoint of the Responses answer's id is remembered.
-fn relay(
-    state: &Arc<AppState>,
+/// An engine's answer, and what the gateway knows of how it came.
+struct Answer {
     response: hyper::Response<hyper::body::Incoming>,
-    ticket: GatewayTicket,
-    target: &Target,
+    routing: Routing,
+    attempt: AttemptSpan,
     timing: Timing,
-    model: Option<String>,
+    /// Remember the endpoint of the Responses answer's id.
     remember: bool,
-) -> Response {
+}
+
+/// The client's response: the upstream status and headers, and the upstream body behind the load guard.
+fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket, target: &Target) -> Response {
+    let Answer {
+        response,
+        routing,
+        attempt,
+        timing,
+        remember,
+    } = answer;
     let (parts, incoming) = response.into_parts();
     let sse = parts
         .headers
@@ -285,7 +320,8 @@ fn relay(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"));
     let exchange = crate::access::Exchange::new();
-    exchange.routed(target.label(), ticket.pick.branch.as_str(), model);
+    exchange.routed(routing);
+    exchange.answered_by(attempt);
     let body = GuardedBody::new(
         incoming,
         ticket,

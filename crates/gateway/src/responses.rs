@@ -62,7 +62,10 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
             upstream = upstream.header(name, v);
         }
     }
-    for (name, value) in crate::trace_context::propagated(request.headers()) {
+    let span = request.extensions().get::<crate::spans::RequestSpan>().cloned();
+    let attempt = span.map(|s| s.attempt(&target.label(), target.id.dp_rank, 1));
+    let own = attempt.as_ref().and_then(crate::spans::AttemptSpan::traceparent);
+    for (name, value) in crate::trace_context::propagated(request.headers(), own) {
         upstream = upstream.header(name, value);
     }
     let upstream = upstream
@@ -74,10 +77,18 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         // A stored response is at most what a client may send the gateway in one body.
         .exchange(upstream, timeout, state.config.max_body_bytes)
         .await
-        .map_err(|message| ApiError::Upstream {
-            endpoint: target.label(),
-            message,
+        .map_err(|message| {
+            if let Some(a) = &attempt {
+                a.failed(&message);
+            }
+            ApiError::Upstream {
+                endpoint: target.label(),
+                message,
+            }
         })?;
+    if let Some(a) = &attempt {
+        a.answered(status.as_u16());
+    }
     let mut out = (status, bytes).into_response();
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         out.headers_mut().insert(header::CONTENT_TYPE, ct.clone());

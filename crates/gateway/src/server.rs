@@ -53,25 +53,25 @@ const OTHER_PUBLIC_ROUTES: [(&str, &[&str]); 5] = [
     ("/models", &["GET"]),
 ];
 
-/// Whether the gateway's public router serves `method` on `path` (a query string is ignored): `Ok`, or the
-/// gateway's answer for a path it does not serve (404) or a method the path does not take (405). The Endpoint
-/// Picker answers requests the data plane hands it as `serve` would.
-pub fn public_route(method: &str, path: &str) -> Result<(), ApiError> {
+/// Whether the gateway's public router serves `method` on `path` (a query string is ignored): `Ok` with the route
+/// (as the router names it: `/v1/responses/{id}`), or the gateway's answer for a path it does not serve (404) or
+/// a method the path does not take (405). The Endpoint Picker answers requests the data plane hands it as `serve`
+/// would.
+pub fn public_route(method: &str, path: &str) -> Result<&'static str, ApiError> {
     let path = path.split(['?', '#']).next().unwrap_or_default();
-    let methods: &[&str] = if GENERATE_PATHS.contains(&path) {
-        &["POST"]
-    } else {
-        match OTHER_PUBLIC_ROUTES
+    let (route, methods): (&'static str, &[&str]) = match GENERATE_PATHS.iter().find(|p| **p == path) {
+        Some(route) => (route, &["POST"]),
+        None => match OTHER_PUBLIC_ROUTES
             .iter()
             .find(|(pattern, _)| path_matches(pattern, path))
         {
-            Some((_, methods)) => methods,
+            Some((pattern, methods)) => (pattern, methods),
             None => return Err(ApiError::NotFound("no such route".into())),
-        }
+        },
     };
     let head_of_get = method == "HEAD" && methods.contains(&"GET");
     if methods.contains(&method) || head_of_get {
-        Ok(())
+        Ok(route)
     } else {
         Err(ApiError::MethodNotAllowed(method.to_string()))
     }
@@ -263,6 +263,14 @@ impl Background {
             // Defined from the start on a gateway that tokenizes, so its rate is.
             metrics::counter!(telemetry::TOKENIZE_CUT).increment(0);
         }
+        if matches!(state.config.tracing_settings(), Ok(Some(_))) {
+            // The process exports spans (it was started with this config): its span counters are defined from
+            // the start, so their rates are.
+            metrics::counter!(dprouter_otel::SPANS_EXPORTED).increment(0);
+            for reason in ["queue_full", "export_failed"] {
+                metrics::counter!(dprouter_otel::SPANS_DROPPED, "reason" => reason).increment(0);
+            }
+        }
         let (stop, stopped) = watch::channel(false);
         let mut tasks = health::spawn(Arc::clone(state), stopped.clone());
         if !matches!(state.config.routing, dprouter_core::PolicyConfig::CacheAware(_))
@@ -307,13 +315,37 @@ async fn check_request_head(request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
+/// Routes whose requests get a trace span: those that go to an engine.
+pub fn is_traced(route: &str) -> bool {
+    GENERATE_PATHS.contains(&route) || route.starts_with("/v1/responses/")
+}
+
 async fn count_requests(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("unmatched".to_string(), |p| p.as_str().to_string());
-    let arrived = access::Request::of(&request, route, Instant::now(), state.config.server.access_log);
-    let response = next.run(request).await;
+    let span = if is_traced(&route) {
+        crate::spans::RequestSpan::start(request.method().as_str(), &route, request.headers())
+    } else {
+        crate::spans::RequestSpan::none()
+    };
+    let arrived = access::Request::of(
+        &request,
+        route,
+        Instant::now(),
+        state.config.server.access_log,
+        span.clone(),
+    );
+    let request_id = request.headers().get(REQUEST_ID).cloned();
+    let trace_id = span.trace_id();
+    let mut request = request;
+    request.extensions_mut().insert(span);
+    let response = crate::error::identified(
+        next.run(request).await,
+        request_id.as_ref().and_then(|v| v.to_str().ok()),
+        trace_id.as_deref(),
+    );
     access::Counted::wrap(response, arrived)
 }
 
@@ -449,7 +481,7 @@ mod tests {
                 let body = axum::body::to_bytes(answer.into_body(), 1 << 20).await.unwrap();
                 let unrouted = status == 405 || String::from_utf8_lossy(&body).contains("no such route");
                 let expected = match public_route(method, path) {
-                    Ok(()) => {
+                    Ok(_) => {
                         served += 1;
                         None
                     }

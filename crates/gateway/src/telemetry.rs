@@ -16,6 +16,8 @@
 //! | `dprouter_kv_event_blocks` | gauge | `endpoint` (router blocks the endpoint holds, as its KV events tell) |
 //! | `dprouter_kv_event_errors_total` | counter | `endpoint`, `kind` (`gap`, `restart`, `decode`, `orphan`, `overflow`, `replay`, `frames`) |
 //! | `dprouter_tokenize_cut_total` | counter | (text and chat prompts tokenized only up to `tokenize_max_bytes`: their keys cover that head) |
+//! | `dprouter_trace_spans_exported_total` | counter | (tracing on: spans the collector accepted; `dprouter_otel::queue`) |
+//! | `dprouter_trace_spans_dropped_total` | counter | `reason` (`queue_full`, `export_failed`) |
 
 use std::sync::OnceLock;
 
@@ -57,6 +59,8 @@ pub const ALL: &[&str] = &[
     KV_EVENT_ERRORS,
     KV_EVENT_BLOCKS,
     TOKENIZE_CUT,
+    dprouter_otel::SPANS_EXPORTED,
+    dprouter_otel::SPANS_DROPPED,
 ];
 
 const TOKEN_BUCKETS: &[f64] = &[0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0];

@@ -1,6 +1,7 @@
 //! The client's trace context, passed on to the engine: W3C Trace Context's `traceparent` and `tracestate` and W3C
 //! Baggage's `baggage`, so that an engine that traces (vLLM's `--otlp-traces-endpoint`, SGLang) joins the caller's
-//! trace instead of starting an orphan one.
+//! trace instead of starting an orphan one. With tracing on, the engine's `traceparent` names the gateway's own span
+//! of the attempt instead ([`crate::spans`]), in the same trace.
 //!
 //! As the specifications ask of a party in the middle: a `traceparent` that does not parse is dropped, and its
 //! `tracestate` with it (a `tracestate` means nothing without its parent); one of a later version is passed on in
@@ -18,13 +19,15 @@ const MAX_TRACESTATE_BYTES: usize = 32 * 257;
 /// The most of `baggage` passed on (W3C Baggage: 8,192 bytes).
 const MAX_BAGGAGE_BYTES: usize = 8192;
 
-/// The trace context headers to send the engine for a request that came with `headers`.
-pub fn propagated(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
+/// The trace context headers to send the engine for a request that came with `headers`; with `own`, the
+/// gateway's span (tracing on: [`crate::spans`]) is the engine's parent instead of the client's.
+pub fn propagated(headers: &HeaderMap, own: Option<HeaderValue>) -> Vec<(HeaderName, HeaderValue)> {
     let mut out = Vec::new();
     let parent = single(headers, &TRACEPARENT).and_then(traceparent);
-    if let Some(parent) = parent {
+    let client_state = parent.is_some().then(|| tracestate(headers)).flatten();
+    if let Some(parent) = own.or(parent) {
         out.push((TRACEPARENT, parent));
-        if let Some(state) = joined(headers, &TRACESTATE, MAX_TRACESTATE_BYTES) {
+        if let Some(state) = client_state {
             out.push((TRACESTATE, state));
         }
     }
@@ -34,8 +37,13 @@ pub fn propagated(headers: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
     out
 }
 
+/// The client's `tracestate`, its lines joined, when within its bound.
+pub(crate) fn tracestate(headers: &HeaderMap) -> Option<HeaderValue> {
+    joined(headers, &TRACESTATE, MAX_TRACESTATE_BYTES)
+}
+
 /// The header's value when it is sent once (two `traceparent`s are not a trace context).
-fn single<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
+pub(crate) fn single<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Option<&'a str> {
     let mut values = headers.get_all(name).iter();
     let value = values.next()?;
     if values.next().is_some() {
@@ -140,13 +148,16 @@ mod tests {
 
     #[test]
     fn the_context_goes_on_joined_and_bounded() {
-        let out = propagated(&headers(&[
-            (&TRACEPARENT, VALID),
-            (&TRACESTATE, "rojo=00f067aa0ba902b7"),
-            (&TRACESTATE, "congo=t61rcWkgMzE, "),
-            (&BAGGAGE, "userId=alice"),
-            (&BAGGAGE, "serverNode=DF%2028"),
-        ]));
+        let out = propagated(
+            &headers(&[
+                (&TRACEPARENT, VALID),
+                (&TRACESTATE, "rojo=00f067aa0ba902b7"),
+                (&TRACESTATE, "congo=t61rcWkgMzE, "),
+                (&BAGGAGE, "userId=alice"),
+                (&BAGGAGE, "serverNode=DF%2028"),
+            ]),
+            None,
+        );
         assert_eq!(
             names(&out),
             [
@@ -156,18 +167,30 @@ mod tests {
             ]
         );
         // A malformed traceparent takes its tracestate with it; baggage is its own.
-        let out = propagated(&headers(&[
-            (&TRACEPARENT, "00-xyz"),
-            (&TRACESTATE, "rojo=1"),
-            (&BAGGAGE, "k=v"),
-        ]));
+        let out = propagated(
+            &headers(&[(&TRACEPARENT, "00-xyz"), (&TRACESTATE, "rojo=1"), (&BAGGAGE, "k=v")]),
+            None,
+        );
         assert_eq!(names(&out), [("baggage", "k=v")]);
         // Two traceparents are none.
-        let out = propagated(&headers(&[(&TRACEPARENT, VALID), (&TRACEPARENT, VALID)]));
+        let out = propagated(&headers(&[(&TRACEPARENT, VALID), (&TRACEPARENT, VALID)]), None);
         assert!(out.is_empty());
         // Over the bounds: dropped, not cut.
         let big = format!("k={}", "v".repeat(MAX_BAGGAGE_BYTES));
-        assert!(propagated(&headers(&[(&BAGGAGE, &big)])).is_empty());
-        assert!(propagated(&HeaderMap::new()).is_empty());
+        assert!(propagated(&headers(&[(&BAGGAGE, &big)]), None).is_empty());
+        assert!(propagated(&HeaderMap::new(), None).is_empty());
+        // The gateway's own span as the parent: the client's tracestate goes with it, and only if the client's
+        // traceparent was valid.
+        let own = HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-b7ad6b7169203331-01");
+        let out = propagated(
+            &headers(&[(&TRACEPARENT, VALID), (&TRACESTATE, "rojo=1")]),
+            Some(own.clone()),
+        );
+        assert_eq!(
+            names(&out),
+            [("traceparent", own.to_str().unwrap()), ("tracestate", "rojo=1")]
+        );
+        let out = propagated(&headers(&[(&TRACESTATE, "rojo=1")]), Some(own.clone()));
+        assert_eq!(names(&out), [("traceparent", own.to_str().unwrap())]);
     }
 }
