@@ -195,6 +195,8 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
             ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
             ("OTEL_TRACES_SAMPLER", "always_on"),
             ("OTEL_SERVICE_NAME", "dprouter-overhead"),
+            // Full batches go at once under load; this only sends the last ones sooner.
+            ("OTEL_BSP_SCHEDULE_DELAY", "200"),
         ];
         Some(Started::start(&serve, &env)?)
     } else {
@@ -260,6 +262,8 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if let Some(traced) = &traced {
+        // The last batch goes within the schedule delay.
+        std::thread::sleep(Duration::from_millis(600));
         let scrape = runtime.block_on(metrics_text(&traced.url));
         let count = |prefix: &str| -> f64 {
             scrape
@@ -268,11 +272,14 @@ pub fn run(args: OverheadArgs) -> anyhow::Result<ExitCode> {
                 .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                 .sum()
         };
-        println!(
-            "traced gateway: {} spans exported, {} dropped",
+        let (exported, dropped) = (
             count("dprouter_trace_spans_exported_total"),
-            count("dprouter_trace_spans_dropped_total")
+            count("dprouter_trace_spans_dropped_total"),
         );
+        println!("traced gateway: {exported} spans exported, {dropped} dropped");
+        if exported < 1.0 {
+            bail!("the traced gateway exported no span: its rows did not measure tracing");
+        }
     }
     if let Some(path) = &args.json {
         let text = serde_json::to_string_pretty(&serde_json::json!({ "rows": rows }))?;

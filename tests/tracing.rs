@@ -163,7 +163,7 @@ async fn over_grpc_the_spans_join_the_clients_trace_and_the_engine_nests_under_t
 }
 
 #[tokio::test]
-async fn over_http_a_request_without_a_trace_starts_one_named_in_the_access_log_and_error_bodies() {
+async fn over_http_a_request_without_a_valid_trace_starts_one_named_in_the_access_log_and_error_bodies() {
     let (collector, base) = http_collector().await;
     let engine = echo_engine().await;
     let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tracing-access-log.toml");
@@ -177,7 +177,10 @@ async fn over_http_a_request_without_a_trace_starts_one_named_in_the_access_log_
     let (lines, log) = std::sync::mpsc::channel();
     let gw = gateway(&engine, &env, &["--config", config.to_str().unwrap()], Some(lines));
     let c = client();
-    let reply = post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &chat()).await;
+    // A traceparent that does not parse is no parent: the request starts a trace of its own (its span is a root:
+    // `check_spans`).
+    let malformed = [("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01")];
+    let reply = post(&c, &format!("{}/v1/chat/completions", gw.url), &malformed, &chat()).await;
     assert_eq!(reply.status, 200, "{}", reply.text);
     let saw = &reply.json["headers"];
     let trace_id = saw["traceparent"].as_str().unwrap()[3..35].to_string();
