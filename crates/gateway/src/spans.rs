@@ -79,7 +79,7 @@ impl RequestSpan {
         traceparent_of(&self.0)
     }
 
-    /// The request ended without an answer of its status: `why`.
+    /// The request ended without an answer (the stream broke, a deadline passed): `why`, as an error status.
     pub fn failed(&self, why: &str) {
         if !self.0.is_disabled() {
             self.0.set_status(Status::error(why.to_string()));
@@ -124,16 +124,7 @@ impl RequestSpan {
 impl AttemptSpan {
     /// The `traceparent` the engine gets: this span as its parent; `None` when tracing is off.
     pub fn traceparent(&self) -> Option<HeaderValue> {
-        if self.0.is_disabled() {
-            return None;
-        }
-        let cx = self.0.context();
-        let sc = cx.span().span_context().clone();
-        if !sc.is_valid() {
-            return None;
-        }
-        let value = format!("00-{}-{}-{:02x}", sc.trace_id(), sc.span_id(), sc.trace_flags().to_u8());
-        HeaderValue::from_str(&value).ok()
+        traceparent_of(&self.0)
     }
 
     /// The engine answered with `status`.
