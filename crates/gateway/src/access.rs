@@ -246,8 +246,11 @@ impl Counted {
         let duration = self.request.started.elapsed();
         metrics::counter!(REQUESTS, "route" => self.request.route.clone(), "status" => status.to_string()).increment(1);
         metrics::histogram!(DURATION, "route" => self.request.route.clone()).record(duration.as_secs_f64());
-        let facts = self.exchange.as_ref().map(Exchange::facts).unwrap_or_default();
         let span = &self.request.span;
+        if !span.is_recording() && self.request.logged.is_none() {
+            return;
+        }
+        let facts = self.exchange.as_ref().map(Exchange::facts).unwrap_or_default();
         if span.is_recording() {
             span.finish(Some(status), facts.span_attributes());
         }
