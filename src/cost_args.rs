@@ -34,6 +34,10 @@ pub struct CostArgs {
     /// 1 / (1 + C·(k − 1)) of its speed; 0 independent ranks, 1 one shared pool.
     #[arg(long, value_name = "C", value_parser = parse_contention)]
     prefill_contention: Option<f64>,
+    /// Under prefill/decode disaggregation, how fast a prompt's KV cache moves from a prefill rank to a decode
+    /// rank, tokens per second (0: free).
+    #[arg(long, value_name = "TOKENS_PER_S")]
+    kv_transfer_rate: Option<f64>,
 }
 
 fn parse_contention(value: &str) -> Result<f64, String> {
@@ -77,6 +81,13 @@ impl CostArgs {
         }
         if let Some(v) = self.prefill_contention {
             cost.prefill_contention = v;
+        }
+        if let Some(v) = self.kv_transfer_rate {
+            anyhow::ensure!(
+                v.is_finite() && v >= 0.0,
+                "--kv-transfer-rate must be a number of tokens per second, 0 or more"
+            );
+            cost.kv_transfer_tokens_per_s = v;
         }
         if let Some(v) = self.page_size {
             cost.page_size = usize::try_from(v).context("page size too large")?;

@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use dprouter_core::kv_events::Encoding;
-use dprouter_mock_engine::{serve, Api, Engine, EngineConfig, Faults};
+use dprouter_mock_engine::disagg::{Disaggregation, Mode};
+use dprouter_mock_engine::{serve, serve_bootstrap, Api, Engine, EngineConfig, Faults};
 
 use crate::cost_args::CostArgs;
 
@@ -84,6 +85,28 @@ pub struct MockEngineArgs {
     #[arg(long, default_value_t = dprouter_mock_engine::engine::CONTEXT_LENGTH,
           value_parser = clap::value_parser!(u32).range(1..))]
     context_length: u32,
+    /// Prefill or decode only, as SGLang's --disaggregation-mode (docs/disaggregation.md): a prefill mock holds each
+    /// request's KV cache for its decode server, a decode mock fetches it. Both refuse a request without
+    /// bootstrap_room.
+    #[arg(long, value_enum)]
+    disaggregation_mode: Option<ModeArg>,
+    /// A prefill mock's bootstrap server's port (0: a free one, printed); a decode mock's for requests whose
+    /// bootstrap_port is null.
+    #[arg(long, default_value_t = dprouter_mock_engine::disagg::DEFAULT_BOOTSTRAP_PORT)]
+    disaggregation_bootstrap_port: u16,
+    /// How long a prefill mock holds a room's KV cache for its decode server, and a decode mock waits for it,
+    /// seconds (real time; SGLang's default is 300).
+    #[arg(long, default_value_t = 300.0)]
+    disaggregation_timeout_s: f64,
+    /// Fault: a prefill mock's bootstrap server takes connections and never answers.
+    #[arg(long, requires = "disaggregation_mode")]
+    bootstrap_hangs: bool,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum ModeArg {
+    Prefill,
+    Decode,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -134,20 +157,55 @@ impl MockEngineArgs {
                 None => None,
             },
             context_length: self.context_length,
+            disaggregation: self.disaggregation()?,
         })
+    }
+
+    fn disaggregation(&self) -> anyhow::Result<Option<Disaggregation>> {
+        let Some(mode) = self.disaggregation_mode else {
+            return Ok(None);
+        };
+        anyhow::ensure!(
+            self.disaggregation_timeout_s.is_finite() && self.disaggregation_timeout_s > 0.0,
+            "--disaggregation-timeout-s must be a positive number of seconds"
+        );
+        let mut d = Disaggregation::new(match mode {
+            ModeArg::Prefill => Mode::Prefill,
+            ModeArg::Decode => Mode::Decode,
+        });
+        d.bootstrap_port = self.disaggregation_bootstrap_port;
+        d.timeout = Duration::from_secs_f64(self.disaggregation_timeout_s);
+        d.bootstrap_hangs = self.bootstrap_hangs;
+        Ok(Some(d))
     }
 }
 
 pub fn run(args: MockEngineArgs) -> anyhow::Result<ExitCode> {
-    let config = args.engine_config()?;
+    let mut config = args.engine_config()?;
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     runtime.block_on(async move {
         let listener =
             tokio::net::TcpListener::bind(args.listen).await.with_context(|| format!("binding {}", args.listen))?;
         let addr = listener.local_addr()?;
+        // A prefill mock's bootstrap server, on the same host.
+        let bootstrap = match &mut config.disaggregation {
+            Some(d) if d.mode == Mode::Prefill => {
+                let at = std::net::SocketAddr::new(addr.ip(), d.bootstrap_port);
+                let bootstrap = tokio::net::TcpListener::bind(at)
+                    .await
+                    .with_context(|| format!("binding the bootstrap server at {at}"))?;
+                d.bootstrap_port = bootstrap.local_addr()?.port();
+                Some(bootstrap)
+            }
+            _ => None,
+        };
         let mut out = std::io::stdout().lock();
         writeln!(out, "dprouter mock-engine listening on http://{addr}")?;
         out.flush()?;
+        if let Some(bootstrap) = &bootstrap {
+            // Also in /get_server_info's `disaggregation_bootstrap_port`.
+            tracing::info!(port = bootstrap.local_addr()?.port(), "bootstrap server started");
+        }
         drop(out);
         tracing::info!(%addr, dp_size = config.dp_size, preset = %args.cost.preset, time_scale = config.time_scale, "mock engine started");
         let engine = Engine::new(config);
@@ -160,6 +218,14 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<ExitCode> {
                 .await
                 .map_err(anyhow::Error::msg)?;
             tracing::info!(?bound, "publishing KV events");
+        }
+        if let Some(bootstrap) = bootstrap {
+            let engine = std::sync::Arc::clone(&engine);
+            tokio::spawn(async move {
+                if let Err(e) = serve_bootstrap(bootstrap, engine, std::future::pending()).await {
+                    tracing::error!(error = %e, "the bootstrap server stopped");
+                }
+            });
         }
         serve(listener, engine, shutdown_signal()).await.context("serving")?;
         Ok(ExitCode::SUCCESS)

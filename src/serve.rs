@@ -10,7 +10,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use dprouter_core::PolicyConfig;
 use dprouter_gateway::discovery_config::{DnsSource, KubernetesSource, WorkerTemplate};
-use dprouter_gateway::{serve, AppState, Backend, GatewayConfig, WorkerConfig};
+use dprouter_gateway::{serve, AppState, Backend, GatewayConfig, Role, WorkerConfig};
 use dprouter_mock_engine::{Engine, EngineConfig};
 use dprouter_sim::CostModel;
 
@@ -48,9 +48,24 @@ pub struct FleetArgs {
     /// DP ranks behind each --worker (or discovered worker; SGLang: read from /get_server_info when absent).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     dp_size: Option<u32>,
+    /// A prefill server under prefill/decode disaggregation, with its SGLang bootstrap port if not 8998
+    /// (repeatable; with --decode, replaces the config file's workers; docs/disaggregation.md).
+    #[arg(long = "prefill", value_name = "URL[:BOOTSTRAP_PORT]", value_parser = parse_prefill)]
+    prefill: Vec<(String, Option<u16>)>,
+    /// A decode server under prefill/decode disaggregation (repeatable).
+    #[arg(long = "decode", value_name = "URL")]
+    decode: Vec<String>,
     /// Load-balancing policy (overrides the config's [routing]).
     #[arg(long, value_parser = parse_policy)]
     policy: Option<PolicyConfig>,
+    /// The policy that picks a disaggregated request's prefill endpoint (overrides [prefill_routing]; default
+    /// cache_aware).
+    #[arg(long, value_parser = parse_policy)]
+    prefill_policy: Option<PolicyConfig>,
+    /// The policy that picks a disaggregated request's decode endpoint (overrides [decode_routing]; default
+    /// least_loaded).
+    #[arg(long, value_parser = parse_policy)]
+    decode_policy: Option<PolicyConfig>,
     /// Require `Authorization: Bearer KEY` on admin routes (without it they answer only loopback clients).
     #[arg(long)]
     admin_key: Option<String>,
@@ -68,6 +83,29 @@ pub struct FleetArgs {
     /// --dp-size describe them.
     #[arg(long = "dns", value_name = "NAME:PORT", value_parser = parse_dns)]
     dns: Vec<(String, u16)>,
+}
+
+/// `URL` or `URL:BOOTSTRAP_PORT` (a port after the URL's own): SGLang's router takes the bootstrap port as a
+/// second value.
+fn parse_prefill(text: &str) -> Result<(String, Option<u16>), String> {
+    let text = text.trim().trim_end_matches('/');
+    let (_, rest) = text
+        .split_once("://")
+        .ok_or("expected http://host:port[:bootstrap_port]")?;
+    // The colons after an IPv6 address's bracket, or in the whole authority.
+    let tail = rest.rsplit_once(']').map_or(rest, |(_, tail)| tail);
+    if tail.matches(':').count() < 2 {
+        return Ok((text.to_string(), None));
+    }
+    let (url, port) = text
+        .rsplit_once(':')
+        .ok_or("expected http://host:port[:bootstrap_port]")?;
+    let port = port
+        .parse::<u16>()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| format!("{port:?} is not a bootstrap port"))?;
+    Ok((url.to_string(), Some(port)))
 }
 
 fn parse_dns(text: &str) -> Result<(String, u16), String> {
@@ -120,8 +158,30 @@ impl FleetArgs {
                 })
                 .collect();
         }
+        if !self.prefill.is_empty() || !self.decode.is_empty() {
+            if self.workers.is_empty() {
+                config.workers.clear();
+            }
+            let role = |url: &str, role: Role, bootstrap_port: Option<u16>| WorkerConfig {
+                url: url.to_string(),
+                backend,
+                dp_size: self.dp_size,
+                role,
+                bootstrap_port,
+                ..WorkerConfig::default()
+            };
+            let prefill = self.prefill.iter().map(|(url, port)| role(url, Role::Prefill, *port));
+            let decode = self.decode.iter().map(|url| role(url, Role::Decode, None));
+            config.workers.extend(prefill.chain(decode));
+        }
         if let Some(policy) = &self.policy {
             config.routing = policy.clone();
+        }
+        if let Some(policy) = &self.prefill_policy {
+            config.prefill_routing = policy.clone();
+        }
+        if let Some(policy) = &self.decode_policy {
+            config.decode_routing = policy.clone();
         }
         if self.admin_key.is_some() {
             config.admin_key = self.admin_key.clone();

@@ -15,8 +15,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{
-    CacheAware, CacheAwareConfig, FollowBootstrapRoom, Policy, PrefixAffinity, PrefixAffinityConfig, PrefixMatch,
-    RoundRobin, TotalRequests, TotalTokens,
+    CacheAware, CacheAwareConfig, FollowBootstrapRoom, LeastLoaded, Policy, PrefixAffinity, PrefixAffinityConfig,
+    PrefixMatch, RoundRobin, TotalRequests, TotalTokens,
 };
 use crate::prefix_key::PrefixWindow;
 
@@ -33,6 +33,7 @@ pub enum PolicyConfig {
     FollowBootstrapRoom(NoOptions),
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
+    LeastLoaded(NoOptions),
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
@@ -46,6 +47,7 @@ enum UncheckedPolicyConfig {
     FollowBootstrapRoom(NoOptions),
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
+    LeastLoaded(NoOptions),
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
@@ -60,6 +62,7 @@ impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
             UncheckedPolicyConfig::FollowBootstrapRoom(o) => PolicyConfig::FollowBootstrapRoom(o),
             UncheckedPolicyConfig::TotalRequests(o) => PolicyConfig::TotalRequests(o),
             UncheckedPolicyConfig::TotalTokens(o) => PolicyConfig::TotalTokens(o),
+            UncheckedPolicyConfig::LeastLoaded(o) => PolicyConfig::LeastLoaded(o),
             UncheckedPolicyConfig::PrefixMatch(o) => PolicyConfig::PrefixMatch(o),
             UncheckedPolicyConfig::PrefixAffinity(o) => PolicyConfig::PrefixAffinity(o),
             UncheckedPolicyConfig::CacheAware(o) => PolicyConfig::CacheAware(o),
@@ -116,6 +119,7 @@ impl PolicyConfig {
         "follow_bootstrap_room",
         "total_requests",
         "total_tokens",
+        "least_loaded",
         "prefix_match",
         "prefix_affinity",
         "cache_aware",
@@ -163,6 +167,7 @@ impl PolicyConfig {
             PolicyConfig::RoundRobin(_)
             | PolicyConfig::FollowBootstrapRoom(_)
             | PolicyConfig::TotalRequests(_)
+            | PolicyConfig::LeastLoaded(_)
             | PolicyConfig::TotalTokens(_) => {}
             PolicyConfig::PrefixMatch(w) => {
                 for (field, value) in [
@@ -261,6 +266,7 @@ impl PolicyConfig {
             PolicyConfig::FollowBootstrapRoom(_) => "follow_bootstrap_room",
             PolicyConfig::TotalRequests(_) => "total_requests",
             PolicyConfig::TotalTokens(_) => "total_tokens",
+            PolicyConfig::LeastLoaded(_) => "least_loaded",
             PolicyConfig::PrefixMatch(_) => "prefix_match",
             PolicyConfig::PrefixAffinity(_) => "prefix_affinity",
             PolicyConfig::CacheAware(_) => "cache_aware",
@@ -274,6 +280,7 @@ impl PolicyConfig {
             PolicyConfig::FollowBootstrapRoom(_) => Box::new(FollowBootstrapRoom),
             PolicyConfig::TotalRequests(_) => Box::new(TotalRequests),
             PolicyConfig::TotalTokens(_) => Box::new(TotalTokens),
+            PolicyConfig::LeastLoaded(_) => Box::new(LeastLoaded::default()),
             PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
             PolicyConfig::PrefixAffinity(config) => Box::new(PrefixAffinity::new(*config)),
             PolicyConfig::CacheAware(config) => Box::new(CacheAware::new(*config)),

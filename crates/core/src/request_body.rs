@@ -26,6 +26,43 @@ use crate::request::{Prompt, RouteRequest};
 /// The members that carry a client's rank override.
 pub const OVERRIDE_FIELDS: [&str; 2] = ["routed_dp_rank", "data_parallel_rank"];
 
+/// The members that pair a request's prefill and decode legs under disaggregation: SGLang's bootstrap fields and
+/// vLLM's `kv_transfer_params`. The gateway sets them on a disaggregated request's legs, never the client.
+pub const DISAGGREGATION_FIELDS: [&str; 5] = [
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "disagg_prefill_dp_rank",
+    "kv_transfer_params",
+];
+
+/// What a top-level member is to the gateway.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemberKind {
+    /// A client's rank override ([`OVERRIDE_FIELDS`]): the worker never sees the client's.
+    RankOverride,
+    /// `model` (replaced when the gateway maps an alias).
+    Model,
+    /// A disaggregation field ([`DISAGGREGATION_FIELDS`]).
+    Disaggregation,
+    /// Anything else.
+    Other,
+}
+
+impl MemberKind {
+    fn of(key: &str) -> Self {
+        if OVERRIDE_FIELDS.contains(&key) {
+            MemberKind::RankOverride
+        } else if key == "model" {
+            MemberKind::Model
+        } else if DISAGGREGATION_FIELDS.contains(&key) {
+            MemberKind::Disaggregation
+        } else {
+            MemberKind::Other
+        }
+    }
+}
+
 /// A request body, parsed for routing.
 #[derive(Debug)]
 pub struct RequestBody {
@@ -44,10 +81,8 @@ pub struct RequestBody {
 pub struct Layout {
     /// Byte range of each top-level member (`"key": value`), in order.
     members: Vec<Range<usize>>,
-    /// Which members are rank overrides (the worker never sees the client's).
-    overrides: Vec<bool>,
-    /// Which members are `model` (replaced when the gateway maps an alias).
-    models: Vec<bool>,
+    /// What each member is.
+    kinds: Vec<MemberKind>,
 }
 
 /// One top-level member: its key (unescaped) and its raw value.
@@ -184,11 +219,7 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         model,
         previous_response_id,
         layout: Layout {
-            overrides: members
-                .iter()
-                .map(|m| OVERRIDE_FIELDS.contains(&m.key.as_ref()))
-                .collect(),
-            models: members.iter().map(|m| m.key == "model").collect(),
+            kinds: members.iter().map(|m| MemberKind::of(&m.key)).collect(),
             members: spans,
         },
     })
@@ -330,13 +361,13 @@ impl<'de> Visitor<'de> for IdsInto<'_> {
 
 impl Layout {
     /// The body for a worker, as slices of `original` (the bytes this was parsed from): every member but the
-    /// client's rank overrides (and its `model` when `drop_model`), after the members `first` (e.g.
-    /// `"routed_dp_rank":3`, or a `model` the gateway maps). Nothing is copied.
+    /// client's rank overrides and those `dropped` (its `model` when the gateway maps it, say), after the members
+    /// `first` (e.g. `"routed_dp_rank":3`, or a `model` the gateway maps). Nothing is copied.
     pub fn forwarded<B: Clone>(
         &self,
         original: &B,
         first: impl IntoIterator<Item = B>,
-        drop_model: bool,
+        dropped: impl Fn(MemberKind) -> bool,
         slice: impl Fn(&B, Range<usize>) -> B,
     ) -> Vec<Piece<B>> {
         let mut out = vec![Piece::Text("{")];
@@ -348,8 +379,8 @@ impl Layout {
             out.push(Piece::Bytes(member));
             empty = false;
         }
-        for ((span, is_override), is_model) in self.members.iter().zip(&self.overrides).zip(&self.models) {
-            if *is_override || (drop_model && *is_model) {
+        for (span, &kind) in self.members.iter().zip(&self.kinds) {
+            if kind == MemberKind::RankOverride || dropped(kind) {
                 continue;
             }
             if !empty {
@@ -380,9 +411,12 @@ mod tests {
         let parsed = parse_body(body.as_bytes(), true).unwrap();
         parsed
             .layout
-            .forwarded(&body.to_string(), rank.map(str::to_owned), false, |s, r| {
-                s[r].to_string()
-            })
+            .forwarded(
+                &body.to_string(),
+                rank.map(str::to_owned),
+                |_| false,
+                |s, r| s[r].to_string(),
+            )
             .into_iter()
             .map(|p| match p {
                 Piece::Text(t) => t.to_string(),
@@ -418,14 +452,39 @@ mod tests {
     }
 
     #[test]
+    fn disaggregation_members_are_marked_for_the_gateway_to_drop() {
+        let body =
+            r#"{"bootstrap_room": 5, "prompt": "x", "bootstrap_host": "h", "kv_transfer_params": {}}"#.to_string();
+        let parsed = parse_body(body.as_bytes(), true).unwrap();
+        let out: String = parsed
+            .layout
+            .forwarded(
+                &body,
+                [r#""bootstrap_room":6"#.to_string()],
+                |k| k == MemberKind::Disaggregation,
+                |s, r| s[r].to_string(),
+            )
+            .into_iter()
+            .map(|p| match p {
+                Piece::Text(t) => t.to_string(),
+                Piece::Bytes(b) => b,
+            })
+            .collect();
+        assert_eq!(out, r#"{"bootstrap_room":6,"prompt": "x"}"#);
+    }
+
+    #[test]
     fn the_model_member_can_be_replaced() {
         let body = r#"{"model": "alias", "prompt": "x"}"#.to_string();
         let parsed = parse_body(body.as_bytes(), true).unwrap();
         let out: String = parsed
             .layout
-            .forwarded(&body, [r#""model":"served""#.to_string()], true, |s, r| {
-                s[r].to_string()
-            })
+            .forwarded(
+                &body,
+                [r#""model":"served""#.to_string()],
+                |k| k == MemberKind::Model,
+                |s, r| s[r].to_string(),
+            )
             .into_iter()
             .map(|p| match p {
                 Piece::Text(t) => t.to_string(),

@@ -493,6 +493,13 @@ impl Stream {
         let routed = routing::route(state, &path, &header_map, body, &allowed)
             .await
             .map_err(End::Answer)?;
+        if routed.pair.is_some() {
+            return Err(End::Answer(ApiError::Unavailable(
+                "prefill/decode disaggregation is not served by `dprouter epp` yet: front the prefill and decode \
+                 workers with `dprouter serve` (docs/disaggregation.md)"
+                    .into(),
+            )));
+        }
         let target = routed.target().clone();
         let address = address(&target).ok_or(End::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);

@@ -31,6 +31,7 @@ use tokio::time::Sleep;
 
 use crate::access::Exchange;
 use crate::drain_deadline::{DeadlineWait, DrainDeadline};
+use crate::legs::PrefillWatch;
 use crate::registry::{Failure, Registry};
 use crate::response_homes::ResponseHomes;
 use crate::telemetry;
@@ -205,6 +206,9 @@ pub struct GuardedBody<B = Incoming> {
     held: Option<Frame<Bytes>>,
     /// The shutdown's drain deadline, for a stream to end at with an error event.
     cut: Option<DeadlineWait>,
+    /// A disaggregated request's prefill leg, while it runs: its failure ends this answer, and this answer's end
+    /// before its own aborts it.
+    prefill: Option<PrefillWatch>,
 }
 
 impl<B> GuardedBody<B> {
@@ -230,7 +234,14 @@ impl<B> GuardedBody<B> {
             yields: 0,
             held: None,
             cut: None,
+            prefill: None,
         }
+    }
+
+    /// Watches a disaggregated request's prefill leg while the answer is relayed ([`crate::legs`]).
+    pub fn watching(mut self, prefill: Option<PrefillWatch>) -> Self {
+        self.prefill = prefill;
+        self
     }
 
     /// Ends an SSE stream with an error event when the shutdown's drain deadline passes (other bodies are cut
@@ -251,6 +262,21 @@ impl<B> GuardedBody<B> {
     fn finish(&mut self) {
         self.done = true;
         self.feedback.finish();
+        if let Some(prefill) = self.prefill.as_mut() {
+            prefill.detach();
+        }
+    }
+
+    /// The prefill leg failed while the answer was relayed: the answer ends as it does when its upstream breaks,
+    /// counted against the prefill endpoint (by its leg) rather than this one.
+    fn prefill_failed(&mut self, message: &str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        tracing::warn!(endpoint = %self.feedback.label(), "{message}");
+        if !self.sse {
+            self.done = true;
+            self.feedback.failed(502);
+            return Poll::Ready(Some(Err(message.to_string().into())));
+        }
+        self.end_with_error_event(message, "upstream_error", 502)
     }
 
     /// Ends the response because the upstream broke (`kind` `stream`) or stalled (`timeout`): counts against the
@@ -409,6 +435,19 @@ where
         }
         if this.cut.as_ref().is_some_and(DeadlineWait::passed) {
             return this.cut_by_shutdown();
+        }
+        if let Some(prefill) = this.prefill.as_mut() {
+            match prefill.poll_outcome(cx) {
+                Poll::Pending => {}
+                Poll::Ready(None) => {
+                    prefill.detach();
+                    this.prefill = None;
+                }
+                Poll::Ready(Some(message)) => {
+                    this.prefill = None;
+                    return this.prefill_failed(&message);
+                }
+            }
         }
         loop {
             match Pin::new(&mut this.inner).poll_frame(cx) {

@@ -9,7 +9,7 @@ use dprouter_core::PolicyConfig;
 use serde::{Deserialize, Serialize};
 
 pub use crate::worker_config::{
-    validate_worker, worker_url_key, Backend, ConfigError, EventEndpoints, RankField, WorkerConfig, WorkerEvents,
+    validate_worker, worker_url_key, Backend, ConfigError, EventEndpoints, RankField, Role, WorkerConfig, WorkerEvents,
     MAX_DP_SIZE,
 };
 
@@ -172,6 +172,11 @@ pub struct GatewayConfig {
     pub discovery: crate::discovery_config::DiscoveryConfig,
     /// The policy and its options (`policy = "prefix_match"`, …); default `cache_aware`.
     pub routing: PolicyConfig,
+    /// Under prefill/decode disaggregation, the policy that picks a request's prefill endpoint (`[prefill_routing]`,
+    /// options as `[routing]`'s); default `cache_aware`, over the prefill servers' caches.
+    pub prefill_routing: PolicyConfig,
+    /// The policy that picks a disaggregated request's decode endpoint; default `least_loaded` (by in-flight tokens).
+    pub decode_routing: PolicyConfig,
     pub health: HealthConfig,
     pub load: LoadConfig,
     /// Client-side timeouts and connection and request limits.
@@ -233,6 +238,8 @@ impl Default for GatewayConfig {
             workers: Vec::new(),
             discovery: Default::default(),
             routing: PolicyConfig::CacheAware(Default::default()),
+            prefill_routing: PolicyConfig::CacheAware(Default::default()),
+            decode_routing: PolicyConfig::LeastLoaded(Default::default()),
             health: HealthConfig::default(),
             load: LoadConfig::default(),
             server: ServerConfig::default(),
@@ -289,27 +296,46 @@ impl GatewayConfig {
     /// KV events are followed under `cache_aware` only: given under another policy they would be accepted and
     /// ignored, so they are refused (as `POST /workers` refuses them).
     fn check_events_are_followed(&self) -> Result<(), ConfigError> {
-        if matches!(self.routing, PolicyConfig::CacheAware(_)) {
-            return Ok(());
-        }
         let worker = self
             .workers
             .iter()
-            .find(|w| w.events().is_some() || w.kv_events_replay.is_some())
-            .map(|w| format!("worker `{}`", w.url));
+            .find(|w| {
+                (w.events().is_some() || w.kv_events_replay.is_some())
+                    && !matches!(self.routing_of(w.role), PolicyConfig::CacheAware(_))
+            })
+            .map(|w| (format!("worker `{}`", w.url), self.routing_of(w.role)));
+        if let Some((which, routing)) = worker {
+            return Err(ConfigError::Invalid(format!(
+                "{which}: KV events are followed under cache_aware only, and this config routes its role with {}: \
+                 remove the kv_events settings, or route with policy = \"cache_aware\"",
+                routing.name()
+            )));
+        }
+        if matches!(self.routing, PolicyConfig::CacheAware(_)) {
+            return Ok(());
+        }
         let templates = (self.discovery.kubernetes.iter().map(|s| (&s.worker, s.label())))
             .chain(self.discovery.dns.iter().map(|s| (&s.worker, s.label())));
         let template = templates
             .filter(|(t, _)| t.kv_events_port.is_some() || t.kv_events_replay_port.is_some())
             .map(|(_, label)| format!("discovery {label}"))
             .next();
-        match worker.or(template) {
+        match template {
             Some(which) => Err(ConfigError::Invalid(format!(
                 "{which}: KV events are followed under cache_aware only, and this config routes with {}: remove \
                  the kv_events settings, or route with policy = \"cache_aware\"",
                 self.routing.name()
             ))),
             None => Ok(()),
+        }
+    }
+
+    /// The policy config of workers with `role`.
+    pub fn routing_of(&self, role: Role) -> &PolicyConfig {
+        match role {
+            Role::Aggregated => &self.routing,
+            Role::Prefill => &self.prefill_routing,
+            Role::Decode => &self.decode_routing,
         }
     }
 
@@ -329,9 +355,15 @@ impl GatewayConfig {
             }
         }
         self.discovery.validate()?;
-        self.routing
-            .validate()
-            .map_err(|e| ConfigError::Invalid(format!("routing: {e}")))?;
+        for (table, routing) in [
+            ("routing", &self.routing),
+            ("prefill_routing", &self.prefill_routing),
+            ("decode_routing", &self.decode_routing),
+        ] {
+            routing
+                .validate()
+                .map_err(|e| ConfigError::Invalid(format!("{table}: {e}")))?;
+        }
         self.check_events_are_followed()?;
         self.tracing_settings()?;
         if let Some(name) = &self.session_header {
@@ -473,6 +505,53 @@ mod tests {
     }
 
     #[test]
+    fn roles_parse_and_their_settings_are_checked() {
+        let config = GatewayConfig::from_toml(
+            r#"
+            [prefill_routing]
+            policy = "prefix_match"
+            [[workers]]
+            url = "http://127.0.0.1:30000"
+            role = "prefill"
+            bootstrap_port = 8999
+            [[workers]]
+            url = "http://127.0.0.1:30001"
+            role = "decode"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(config.workers[0].role, Role::Prefill);
+        assert_eq!(config.workers[0].bootstrap_port, Some(8999));
+        assert_eq!(config.routing_of(Role::Prefill).name(), "prefix_match");
+        assert_eq!(config.routing_of(Role::Decode).name(), "least_loaded");
+        assert_eq!(config.routing_of(Role::Aggregated).name(), "cache_aware");
+        for (toml_text, expected) in [
+            (
+                "url = \"http://x:1\"\nrole = \"decode\"\nbootstrap_port = 1",
+                "bootstrap_port",
+            ),
+            (
+                "url = \"http://x:1\"\nrole = \"prefill\"\nbootstrap_port = 0",
+                "bootstrap_port",
+            ),
+            (
+                "url = \"http://x:1\"\nrole = \"prefill\"\nbackend = \"openai\"",
+                "backend sglang",
+            ),
+            ("url = \"http://x:1\"\nrole = \"both\"", "role"),
+        ] {
+            let err = GatewayConfig::from_toml(&format!("[[workers]]\n{toml_text}"))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(expected), "{toml_text}: {err}");
+        }
+        let err = GatewayConfig::from_toml("[decode_routing]\npolicy = \"prefix_match\"\nwindow_tokens = 0")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("decode_routing"), "{err}");
+    }
+
+    #[test]
     fn the_documented_example_parses_and_shows_every_field() {
         let doc = include_str!("../../../docs/gateway.md");
         let section = doc.split("## Configuration file").nth(1).unwrap();
@@ -495,7 +574,7 @@ mod tests {
         for line in defaults.lines() {
             if line.starts_with('[') {
                 table = line;
-            } else if line.contains(" = ") && table != "[routing]" {
+            } else if line.contains(" = ") && !table.ends_with("routing]") {
                 let key = line.split(" = ").next().unwrap().trim();
                 assert!(documented(key), "docs/gateway.md's config example lacks `{key}`");
             }

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::worker_config::{Backend, ConfigError, EventEndpoints, RankField, WorkerConfig};
+use crate::worker_config::{Backend, ConfigError, EventEndpoints, RankField, Role, WorkerConfig};
 
 /// What one source found: its workers by URL.
 pub type Found = BTreeMap<String, WorkerConfig>;
@@ -24,6 +24,10 @@ pub mod annotations {
     pub const KV_CAPACITY_TOKENS: &str = "dprouter.io/kv-capacity-tokens";
     pub const KV_EVENTS_PORT: &str = "dprouter.io/kv-events-port";
     pub const KV_EVENTS_REPLAY_PORT: &str = "dprouter.io/kv-events-replay-port";
+    /// `prefill`, `decode` or `aggregated` (the default): the Pod's part under disaggregation.
+    pub const ROLE: &str = "dprouter.io/role";
+    /// A prefill SGLang Pod's `--disaggregation-bootstrap-port`.
+    pub const BOOTSTRAP_PORT: &str = "dprouter.io/bootstrap-port";
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,6 +276,17 @@ impl WorkerTemplate {
                 ))
             }
         };
+        let role = match annotations.get(annotations::ROLE).map(|s| s.trim()) {
+            None | Some("aggregated") => Role::Aggregated,
+            Some("prefill") => Role::Prefill,
+            Some("decode") => Role::Decode,
+            Some(other) => {
+                return Err(format!(
+                    "annotation {}: {other:?} is not prefill, decode or aggregated",
+                    annotations::ROLE
+                ))
+            }
+        };
         let host = match ip {
             IpAddr::V4(v4) => v4.to_string(),
             IpAddr::V6(v6) => format!("[{v6}]"),
@@ -285,6 +300,8 @@ impl WorkerTemplate {
             backend,
             dp_size: parsed(annotations, annotations::DP_SIZE)?.or(self.dp_size),
             rank_field: self.rank_field,
+            role,
+            bootstrap_port: parsed(annotations, annotations::BOOTSTRAP_PORT)?,
             kv_capacity_tokens: parsed(annotations, annotations::KV_CAPACITY_TOKENS)?.or(self.kv_capacity_tokens),
             models: self.models.clone(),
             kv_events: events_port.map(zmq),

@@ -48,6 +48,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use crate::config::Role;
 use crate::policies::Policies;
 use crate::registry::Registry;
 use crate::telemetry;
@@ -195,6 +196,7 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, Running>, b
         let feed = Feed {
             parts: Arc::clone(parts),
             endpoint: target.id,
+            role: target.role,
             models: target.models.to_vec(),
             publisher,
             shape,
@@ -221,6 +223,8 @@ fn reconcile(parts: &Arc<FeedParts>, feeds: &mut HashMap<EndpointId, Running>, b
 struct Feed {
     parts: Arc<FeedParts>,
     endpoint: EndpointId,
+    /// Its worker's role: which policies route to it.
+    role: Role,
     models: Vec<String>,
     publisher: String,
     shape: Shape,
@@ -256,12 +260,14 @@ impl Feed {
 
     /// The engine's cache is empty (it restarted): so is the endpoint's index.
     fn clear(&mut self) {
-        self.follow.clear(deliver(&self.parts, self.endpoint, &self.models));
+        self.follow
+            .clear(deliver(&self.parts, self.endpoint, self.role, &self.models));
     }
 
     /// Events were lost: the endpoint is approximate until the next stored blocks, followed afresh.
     fn untrack(&mut self) {
-        self.follow.untrack(deliver(&self.parts, self.endpoint, &self.models));
+        self.follow
+            .untrack(deliver(&self.parts, self.endpoint, self.role, &self.models));
         self.status(|s| s.precise = false);
     }
 
@@ -409,7 +415,7 @@ impl Feed {
     fn apply(&mut self, seq: u64, batch: &EventBatch) {
         let applied = self
             .follow
-            .apply(seq, batch, deliver(&self.parts, self.endpoint, &self.models));
+            .apply(seq, batch, deliver(&self.parts, self.endpoint, self.role, &self.models));
         if applied.precise {
             self.status(|s| s.precise = true);
         }
@@ -481,15 +487,21 @@ impl Feed {
     }
 }
 
-/// Hands each change to every policy that may route to `endpoint`: the default one, and its models'.
-fn deliver<'a>(parts: &'a FeedParts, endpoint: EndpointId, models: &'a [String]) -> impl FnMut(&CacheChange) + 'a {
+/// Hands each change to every policy that may route to `endpoint` (of a worker with `role`): the role's default
+/// one, and its models'.
+fn deliver<'a>(
+    parts: &'a FeedParts,
+    endpoint: EndpointId,
+    role: Role,
+    models: &'a [String],
+) -> impl FnMut(&CacheChange) + 'a {
     move |change| {
         let now = crate::clock::now_us();
-        parts.policies.default_policy().engine_cache(endpoint, change, now);
+        parts.policies.role_default(role).engine_cache(endpoint, change, now);
         for model in models {
             parts
                 .policies
-                .for_model(Some(model))
+                .for_role(role, Some(model))
                 .engine_cache(endpoint, change, now);
         }
     }

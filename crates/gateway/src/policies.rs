@@ -1,7 +1,8 @@
-//! The gateway's routing policies: the default one, for requests that name no model (or a fleet whose models are
-//! unknown), and one per model served, built on first use from the same config, since what a prompt did on one
-//! model says nothing of another. Read without a lock; a new model's policy is added under a lock and swapped in.
-//! A part of the state that features take on their own (the KV event feeds deliver to every policy here).
+//! The gateway's routing policies: per worker role (aggregated; under disaggregation, prefill and decode, each
+//! with its own config), the default one, for requests that name no model (or a fleet whose models are unknown),
+//! and one per model served, built on first use from the same config, since what a prompt did on one model says
+//! nothing of another. Read without a lock; a new model's policy is added under a lock and swapped in. A part of
+//! the state that features take on their own (the KV event feeds deliver to every policy here).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -9,44 +10,63 @@ use std::sync::{Arc, Mutex};
 use arc_swap::ArcSwap;
 use dprouter_core::{Policy, PolicyConfig};
 
+use crate::config::{GatewayConfig, Role};
+
 pub struct Policies {
-    config: PolicyConfig,
-    default: Arc<dyn Policy>,
-    by_model: ArcSwap<HashMap<String, Arc<dyn Policy>>>,
+    /// Per role ([`Role::ALL`]'s order), its config and its default policy.
+    roles: [(PolicyConfig, Arc<dyn Policy>); 3],
+    by_model: ArcSwap<HashMap<(Role, String), Arc<dyn Policy>>>,
     adding: Mutex<()>,
 }
 
+fn index(role: Role) -> usize {
+    match role {
+        Role::Aggregated => 0,
+        Role::Prefill => 1,
+        Role::Decode => 2,
+    }
+}
+
 impl Policies {
-    pub fn new(config: &PolicyConfig) -> Self {
+    /// The policies of `config`'s `[routing]`, `[prefill_routing]` and `[decode_routing]`.
+    pub fn new(config: &GatewayConfig) -> Self {
+        let built = |c: &PolicyConfig| (c.clone(), Arc::from(c.build()));
         Self {
-            config: config.clone(),
-            default: Arc::from(config.build()),
+            roles: Role::ALL.map(|role| built(config.routing_of(role))),
             by_model: Default::default(),
             adding: Mutex::new(()),
         }
     }
 
-    /// The policy of requests that name no model.
+    /// The policy of (aggregated) requests that name no model.
     pub fn default_policy(&self) -> &Arc<dyn Policy> {
-        &self.default
+        self.role_default(Role::Aggregated)
     }
 
-    /// The policy for requests of `model` (the served name, after aliases): its own, or the default one for no
-    /// model.
+    /// The policy of requests that name no model, on workers with `role`.
+    pub fn role_default(&self, role: Role) -> &Arc<dyn Policy> {
+        &self.roles[index(role)].1
+    }
+
+    /// The policy for (aggregated) requests of `model` (the served name, after aliases): its own, or the default
+    /// one for no model.
     pub fn for_model(&self, model: Option<&str>) -> Arc<dyn Policy> {
+        self.for_role(Role::Aggregated, model)
+    }
+
+    /// The policy for requests of `model` on workers with `role`.
+    pub fn for_role(&self, role: Role, model: Option<&str>) -> Arc<dyn Policy> {
         let Some(model) = model else {
-            return Arc::clone(&self.default);
+            return Arc::clone(self.role_default(role));
         };
-        if let Some(policy) = self.by_model.load().get(model) {
+        let key = (role, model.to_string());
+        if let Some(policy) = self.by_model.load().get(&key) {
             return Arc::clone(policy);
         }
         let _adding = self.adding.lock().unwrap_or_else(|e| e.into_inner());
         let mut policies = self.by_model.load().as_ref().clone();
-        let policy = Arc::clone(
-            policies
-                .entry(model.to_string())
-                .or_insert_with(|| Arc::from(self.config.build())),
-        );
+        let config = &self.roles[index(role)].0;
+        let policy = Arc::clone(policies.entry(key).or_insert_with(|| Arc::from(config.build())));
         self.by_model.store(Arc::new(policies));
         policy
     }

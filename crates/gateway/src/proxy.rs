@@ -124,7 +124,7 @@ async fn discard(body: &mut Body) {
 /// The upstream request for `target`: the same path and query, the client's body without its rank override
 /// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
 /// The engine's parent span is `traceparent` when tracing is on (the attempt's span), the client's otherwise.
-fn upstream_request(
+pub(crate) fn upstream_request(
     routed: &Routed,
     target: &Target,
     path_and_query: &str,
@@ -172,6 +172,23 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         .get::<RequestSpan>()
         .cloned()
         .unwrap_or_else(RequestSpan::none);
+    if routed.pair.is_some() {
+        let timing = Timing {
+            received,
+            first_byte: tokio::time::Instant::now() + first_byte_timeout,
+            idle: Duration::from_millis(state.config.stream_idle_timeout_ms),
+        };
+        return crate::legs::forward(
+            state,
+            &parts.headers,
+            &path_and_query,
+            routed,
+            span,
+            timing,
+            first_byte_timeout,
+        )
+        .await;
+    }
     // Workers that refused this request's connection.
     let mut refused: Vec<WorkerId> = Vec::new();
     loop {
@@ -228,6 +245,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                     attempt,
                     timing,
                     remember,
+                    prefill: None,
                 };
                 return Ok(relay(state, answer, routed.ticket, target));
             }
@@ -295,23 +313,26 @@ pub fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Durat
 }
 
 /// An engine's answer, and what the gateway knows of how it came.
-struct Answer {
-    response: hyper::Response<hyper::body::Incoming>,
-    routing: Routing,
-    attempt: AttemptSpan,
-    timing: Timing,
+pub(crate) struct Answer {
+    pub response: hyper::Response<hyper::body::Incoming>,
+    pub routing: Routing,
+    pub attempt: AttemptSpan,
+    pub timing: Timing,
     /// Remember the endpoint of the Responses answer's id.
-    remember: bool,
+    pub remember: bool,
+    /// A disaggregated request's prefill leg, while it runs.
+    pub prefill: Option<crate::legs::PrefillWatch>,
 }
 
 /// The client's response: the upstream status and headers, and the upstream body behind the load guard.
-fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket, target: &Target) -> Response {
+pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket, target: &Target) -> Response {
     let Answer {
         response,
         routing,
         attempt,
         timing,
         remember,
+        prefill,
     } = answer;
     let (parts, incoming) = response.into_parts();
     let sse = parts
@@ -330,7 +351,7 @@ fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket, target: &
         timing,
         exchange.clone(),
     );
-    let body = body.cut_at(&state.drain_deadline);
+    let body = body.cut_at(&state.drain_deadline).watching(prefill);
     let body = if remember {
         body.remembering_the_response(Arc::clone(&state.responses))
     } else {

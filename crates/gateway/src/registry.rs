@@ -32,7 +32,7 @@ use arc_swap::ArcSwap;
 use dprouter_core::{Endpoint, EndpointId, EndpointLoad, Snapshot, WorkerId};
 use tokio::sync::Notify;
 
-use crate::config::{Backend, HealthConfig, RankField, WorkerConfig, WorkerEvents};
+use crate::config::{Backend, HealthConfig, RankField, Role, WorkerConfig, WorkerEvents};
 use crate::upstream::WorkerInfo;
 
 /// Where and how to send a request for one endpoint.
@@ -48,6 +48,11 @@ pub struct Target {
     pub base: Arc<str>,
     pub backend: Backend,
     pub rank_field: RankField,
+    /// Its worker's role, and a prefill SGLang worker's bootstrap port.
+    pub role: Role,
+    pub bootstrap_port: Option<u16>,
+    /// How many ranks its worker has (a prefill rank under SGLang is the bootstrap room's residue modulo this).
+    pub dp_size: u32,
     /// The endpoint's passive-health state, to record a success without the registry's lock.
     pub state: Arc<EndpointState>,
     /// The models its worker serves; empty when unknown (it takes any).
@@ -210,6 +215,8 @@ pub struct WorkerState {
     pub url: Arc<str>,
     pub backend: Backend,
     pub rank_field: RankField,
+    pub role: Role,
+    pub bootstrap_port: Option<u16>,
     /// KV cache tokens per rank, when the engine reported it.
     pub kv_capacity: Option<u64>,
     /// The models it serves; empty when unknown.
@@ -245,6 +252,8 @@ impl WorkerState {
             url: config.url.trim_end_matches('/').into(),
             backend: config.backend,
             rank_field: config.rank_field,
+            role: config.role,
+            bootstrap_port: config.bootstrap_port,
             kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
             models: info.models.into(),
             events: config.events().map(Arc::new),
@@ -710,6 +719,9 @@ impl Registry {
                     base: Arc::clone(&w.url),
                     backend: w.backend,
                     rank_field: w.rank_field,
+                    role: w.role,
+                    bootstrap_port: w.bootstrap_port,
+                    dp_size: w.endpoints.len() as u32,
                     state: Arc::clone(e),
                     models: Arc::clone(&w.models),
                     events: w.events.clone(),

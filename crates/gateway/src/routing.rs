@@ -7,11 +7,11 @@ use std::sync::Arc;
 
 use axum::http::{HeaderMap, HeaderName};
 use bytes::Bytes;
-use dprouter_core::request_body::{parse_body, Layout, Piece, RequestBody};
+use dprouter_core::request_body::{parse_body, Layout, MemberKind, Piece, RequestBody};
 use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
 
 use crate::body::GatewayTicket;
-use crate::config::Backend;
+use crate::config::{Backend, Role};
 use crate::error::ApiError;
 use crate::registry::{Membership, Target};
 use crate::state::AppState;
@@ -39,6 +39,8 @@ pub struct Routed {
     pub model_member: Option<Bytes>,
     /// The request continues a stored Responses answer, or is a Responses request (its answer's id is remembered).
     pub responses_api: bool,
+    /// A disaggregated request's prefill leg (`ticket` is then the decode leg's).
+    pub pair: Option<Box<crate::pairing::Pair>>,
 }
 
 impl Routed {
@@ -52,6 +54,20 @@ impl Routed {
         self.served
             .as_deref()
             .is_none_or(|m| self.membership.targets[rank].serves(m))
+    }
+
+    /// The prefill leg's target, for a disaggregated request.
+    pub fn prefill_target(&self) -> Option<&Target> {
+        let pair = self.pair.as_ref()?;
+        Some(&self.membership.targets[pair.rank])
+    }
+
+    /// The members `target` gets to pair its leg with the other (SGLang's bootstrap fields), for a disaggregated
+    /// request.
+    fn pairing_members(&self, target: &Target) -> Option<Bytes> {
+        let (pair, prefill) = (self.pair.as_ref()?, self.prefill_target()?);
+        (target.backend == Backend::Sglang)
+            .then(|| crate::pairing::bootstrap_members(prefill, pair.room, target.role == Role::Decode))
     }
 
     /// The body `target` gets, as pieces of the client's bytes, and the rank header it needs (vLLM's, or
@@ -70,8 +86,16 @@ impl Routed {
             .layout
             .forwarded(
                 &self.bytes,
-                rank_member.into_iter().chain(self.model_member.clone()),
-                self.model_member.is_some(),
+                rank_member
+                    .into_iter()
+                    .chain(self.model_member.clone())
+                    .chain(self.pairing_members(target)),
+                |kind| match kind {
+                    MemberKind::Model => self.model_member.is_some(),
+                    // The gateway pairs the legs: the client's pairing fields would contradict its own.
+                    MemberKind::Disaggregation => self.pair.is_some(),
+                    _ => false,
+                },
                 |b: &Bytes, range| b.slice(range),
             )
             .into_iter()
@@ -145,7 +169,6 @@ pub async fn route(
     // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
-    let policy = state.policies.for_model(known.or(membership.sole_model()));
     if let Some(tokenizer) = state
         .tokenizers
         .for_model(served.as_deref().or(membership.sole_model()))
@@ -162,7 +185,25 @@ pub async fn route(
     let accept = |rank: usize| {
         serving(rank) && allowed(&membership.targets[rank]) && scope.contains(membership.targets[rank].id)
     };
-    let ticket = dispatch_among(policy, &membership.snapshot, &accept, route)?;
+    let model_key = known.or(membership.sole_model());
+    let (ticket, pair) = if crate::pairing::disaggregated(&membership, &serving) {
+        let (ticket, pair) = crate::pairing::pick(
+            &membership,
+            state.policies.for_role(Role::Prefill, model_key),
+            state.policies.for_role(Role::Decode, model_key),
+            &accept,
+            route,
+        )?;
+        if let Some(prefill) = &pair.ticket {
+            count_decision(state, prefill.pick.branch);
+        }
+        (ticket, Some(Box::new(pair)))
+    } else {
+        crate::pairing::check_pin(&membership, route.rank_override, &[Role::Aggregated])?;
+        let aggregated = |rank: usize| membership.targets[rank].role == Role::Aggregated && accept(rank);
+        let policy = state.policies.for_model(model_key);
+        (dispatch_among(policy, &membership.snapshot, &aggregated, route)?, None)
+    };
     count_decision(state, ticket.pick.branch);
     Ok(Routed {
         ticket,
@@ -173,6 +214,7 @@ pub async fn route(
         served,
         model_member,
         responses_api,
+        pair,
     })
 }
 

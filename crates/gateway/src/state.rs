@@ -63,7 +63,7 @@ impl AppState {
         }
         let state = Arc::new(Self {
             registry: Arc::new(Registry::new(config.health.clone())),
-            policies: Arc::new(Policies::new(&config.routing)),
+            policies: Arc::new(Policies::new(&config)),
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),

@@ -63,6 +63,35 @@ impl RankField {
     }
 }
 
+/// What part of serving a worker does (`docs/disaggregation.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Prefill and decode alike: a request goes to one endpoint.
+    #[default]
+    Aggregated,
+    /// Prefill only (SGLang `--disaggregation-mode prefill`): computes a prompt's KV cache for a decode server.
+    Prefill,
+    /// Decode only (SGLang `--disaggregation-mode decode`): generates from the KV cache a prefill server sent.
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Aggregated, Role::Prefill, Role::Decode];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+
+    fn is_aggregated(&self) -> bool {
+        *self == Role::Aggregated
+    }
+}
+
 /// One upstream server.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -78,6 +107,13 @@ pub struct WorkerConfig {
     /// SGLang only: how the rank is sent (a body field, or the header on `/v1/*`).
     #[serde(default)]
     pub rank_field: RankField,
+    /// Prefill, decode, or both (the default): see [`Role`].
+    #[serde(default, skip_serializing_if = "Role::is_aggregated")]
+    pub role: Role,
+    /// A prefill SGLang server's bootstrap port (`--disaggregation-bootstrap-port`), which decode servers fetch
+    /// its KV cache through. Unset: the decode server uses its own setting (SGLang's default, 8998).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     /// Prompt tokens each of the worker's ranks keeps cached, for cache-aware policies: what SGLang reports
     /// (`max_total_num_tokens`) when absent; for other engines the policy's `kv_capacity_tokens` when absent. A
     /// llama.cpp server keeps one prompt per slot: slots times the prompt length its clients send.
@@ -317,6 +353,26 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
     if w.kv_events_replay.is_some() && w.kv_events.is_none() && w.kv_events_bind.is_none() {
         return Err(ConfigError::Invalid(format!(
             "worker `{}`: kv_events_replay needs kv_events or kv_events_bind",
+            w.url
+        )));
+    }
+    if w.role != Role::Aggregated && w.backend != Backend::Sglang {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: role {} is served for backend sglang (vLLM's two-step flow is not built yet: \
+             docs/disaggregation.md)",
+            w.url,
+            w.role.as_str()
+        )));
+    }
+    if w.bootstrap_port.is_some() && (w.role != Role::Prefill || w.backend != Backend::Sglang) {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: bootstrap_port is a prefill SGLang server's (role prefill, backend sglang)",
+            w.url
+        )));
+    }
+    if w.bootstrap_port == Some(0) {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: bootstrap_port must be from 1 to 65535",
             w.url
         )));
     }

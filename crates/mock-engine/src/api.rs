@@ -22,7 +22,8 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::engine::{Api, Engine, Refusal};
+use crate::disagg::{Mode, Source};
+use crate::engine::{Api, Engine, Leg, Refusal};
 use crate::render::{error, stream_response, whole_response, Kind, Renderer};
 use crate::responses::{Keep, ResponseStore};
 use crate::tokenizer::encode;
@@ -105,6 +106,10 @@ async fn server_info(State(s): State<AppState>) -> Json<Value> {
         "kv_events_replay_endpoints": s.engine.kv_endpoints.get().map(|b| b.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>()),
         "aborted_requests": s.engine.aborted(),
         "completed_requests": s.engine.completed(),
+        // SGLang's server args: "null" when the server prefills and decodes.
+        "disaggregation_mode": c.disaggregation.as_ref().map_or("null", |d| d.mode.as_str()),
+        "disaggregation_bootstrap_port": c.disaggregation.as_ref().map(|d| d.bootstrap_port),
+        "open_bootstrap_rooms": s.engine.rooms().len(),
     }))
 }
 
@@ -164,6 +169,11 @@ struct Job {
     rank_override: Option<i64>,
     /// Responses: the prompt text, when the answer is to be stored.
     keep: Option<String>,
+    /// The disaggregation fields: `bootstrap_room`, `bootstrap_host`, `bootstrap_port`, `disagg_prefill_dp_rank`.
+    room: Option<u64>,
+    bootstrap_host: Option<String>,
+    bootstrap_port: Option<u16>,
+    prefill_rank: Option<u32>,
 }
 
 fn bad(message: impl Into<String>) -> Response {
@@ -197,6 +207,12 @@ struct Members<'a> {
     stream_options: Option<&'a RawValue>,
     #[serde(borrow)]
     store: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_host: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_port: Option<&'a RawValue>,
+    #[serde(borrow)]
+    disagg_prefill_dp_rank: Option<&'a RawValue>,
 }
 
 /// A member's value, when it is there and not `null`.
@@ -215,6 +231,7 @@ fn parse_job(
     prior: Option<String>,
 ) -> Result<Job, String> {
     let req = parse_body(body, api == Api::Sglang).map_err(|e| e.to_string())?.route;
+    let room = req.bootstrap_room;
     let members: Members<'_> = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let mut responses_prompt = None;
     let tokens = match (req.prompt, kind, tokenizer) {
@@ -299,6 +316,24 @@ fn parse_job(
             .and_then(|o| o.get("include_usage")?.as_bool())
             .unwrap_or(false),
         rank_override,
+        room,
+        bootstrap_host: present(members.bootstrap_host)
+            .map(|v| v.as_str().map(str::to_owned).ok_or("bootstrap_host must be a string"))
+            .transpose()?,
+        bootstrap_port: present(members.bootstrap_port)
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|p| u16::try_from(p).ok())
+                    .ok_or("bootstrap_port must be a port number")
+            })
+            .transpose()?,
+        prefill_rank: present(members.disagg_prefill_dp_rank)
+            .map(|v| {
+                v.as_u64()
+                    .and_then(|r| u32::try_from(r).ok())
+                    .ok_or("disagg_prefill_dp_rank must be a rank")
+            })
+            .transpose()?,
     })
 }
 
@@ -432,7 +467,11 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
             config.context_length
         ));
     }
-    let admission = match s.engine.admit(job.rank_override) {
+    let (leg, rank_override, max_new_tokens) = match disaggregated_leg(&s, &job) {
+        Ok(leg) => leg,
+        Err(message) => return bad(message),
+    };
+    let admission = match s.engine.admit(rank_override) {
         Ok(admission) => admission,
         Err(refusal @ Refusal::RankNotActive(_)) => return bad(refusal.to_string()),
         Err(refusal @ Refusal::Internal) => return error(StatusCode::INTERNAL_SERVER_ERROR, refusal.to_string()),
@@ -446,7 +485,16 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         .iter()
         .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
     let rank = admission.rank;
-    tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens, job.max_new_tokens, seed, job.stream, tx));
+    let leg = match leg {
+        PendingLeg::Whole => Leg::Whole,
+        PendingLeg::Decode(source) => Leg::Decode(source),
+        // The room is taken once the request is admitted: a refused request holds none.
+        PendingLeg::Prefill(room) => match s.engine.rooms().open(room, admission.rank as u32) {
+            Ok(guard) => Leg::Prefill(guard),
+            Err(message) => return bad(message),
+        },
+    };
+    tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens, max_new_tokens, seed, job.stream, leg, tx));
     let render = Renderer {
         kind: job.kind,
         id,
@@ -474,4 +522,48 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         .headers_mut()
         .insert(SERVED_RANK_HEADER, HeaderValue::from(rank));
     response
+}
+
+/// A request's leg, before it is admitted.
+enum PendingLeg {
+    Whole,
+    Prefill(u64),
+    Decode(Source),
+}
+
+/// The leg a disaggregated server runs of `job`, the rank it goes to (`None`: the engine's round robin) and the
+/// tokens it generates; a request without a room is refused, as SGLang refuses it.
+fn disaggregated_leg(s: &AppState, job: &Job) -> Result<(PendingLeg, Option<i64>, u32), String> {
+    let Some(d) = &s.engine.config().disaggregation else {
+        return Ok((PendingLeg::Whole, job.rank_override, job.max_new_tokens));
+    };
+    let room = job
+        .room
+        .ok_or("Invalid request: Disaggregated request received without bootstrap room id")?;
+    match d.mode {
+        Mode::Prefill => {
+            // `follow_bootstrap_room`: the room's residue is the rank, and a pin that disagrees fails.
+            let rank = (room % u64::from(s.engine.config().dp_size)) as i64;
+            if let Some(pinned) = job.rank_override.filter(|&r| r != rank) {
+                return Err(format!(
+                    "routed_dp_rank {pinned} conflicts with bootstrap_room {room}: follow_bootstrap_room puts it on \
+                     DP rank {rank}"
+                ));
+            }
+            Ok((PendingLeg::Prefill(room), Some(rank), 1))
+        }
+        Mode::Decode => {
+            let host = job
+                .bootstrap_host
+                .clone()
+                .ok_or("a disaggregated request needs bootstrap_host (its prefill server)")?;
+            let source = Source {
+                host,
+                port: job.bootstrap_port.unwrap_or(d.bootstrap_port),
+                room,
+                rank: job.prefill_rank,
+            };
+            Ok((PendingLeg::Decode(source), job.rank_override, job.max_new_tokens))
+        }
+    }
 }

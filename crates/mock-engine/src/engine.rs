@@ -25,6 +25,7 @@ use dprouter_sim::tokens::mix;
 use dprouter_sim::CostModel;
 use tokio::sync::mpsc;
 
+use crate::disagg::{Disaggregation, Kv, RoomGuard, Rooms, Source};
 use crate::stall::DecodeStall;
 use crate::tokenizer::{output_token, output_word};
 
@@ -76,6 +77,8 @@ pub struct EngineConfig {
     /// The longest prompt taken, tokens: a longer one is refused with 400, as SGLang refuses a prompt of the
     /// model's context length or more.
     pub context_length: u32,
+    /// Prefill or decode only, as SGLang's `--disaggregation-mode` ([`crate::disagg`]); `None`: both.
+    pub disaggregation: Option<Disaggregation>,
 }
 
 /// The default context length, tokens (1,048,576, a long-context model's).
@@ -94,6 +97,7 @@ impl Default for EngineConfig {
             kv_events: false,
             tokenizer: None,
             context_length: CONTEXT_LENGTH,
+            disaggregation: None,
         }
     }
 }
@@ -118,6 +122,21 @@ pub enum Emit {
     },
     /// Injected fault: break the connection now.
     Drop,
+    /// The request failed: an error answer, or an error event once a stream has begun.
+    Fail {
+        status: u16,
+        message: String,
+    },
+}
+
+/// Which part of a request a rank runs.
+pub enum Leg {
+    /// Prefill, then decode.
+    Whole,
+    /// Prefill, then hold the room's KV cache until a decode server takes it; one token.
+    Prefill(RoomGuard),
+    /// Fetch the KV cache from a prefill server, then decode.
+    Decode(Source),
 }
 
 /// Per-rank load as `/get_load` reports it.
@@ -152,6 +171,8 @@ pub struct Engine {
     event_streams: Mutex<Vec<mpsc::UnboundedReceiver<Vec<KvEvent>>>>,
     /// Where each rank publishes its events and serves their replay, once a publisher has bound them.
     pub kv_endpoints: std::sync::OnceLock<Vec<(String, Option<String>)>>,
+    /// A prefill server's rooms ([`crate::disagg`]).
+    rooms: Arc<Rooms>,
 }
 
 /// A rank's cache, locked; its new events go to the rank's stream when the lock is released.
@@ -252,8 +273,14 @@ impl Engine {
             stall: DecodeStall::new(config.cost.prefill_stalls_decode),
             event_streams: Mutex::new(streams),
             kv_endpoints: std::sync::OnceLock::new(),
+            rooms: Arc::default(),
             config,
         })
+    }
+
+    /// A prefill server's rooms: those being prefilled and those waiting for their decode server.
+    pub fn rooms(&self) -> &Arc<Rooms> {
+        &self.rooms
     }
 
     /// Each rank's stream of KV events, in rank order (empty without `kv_events`, or once taken).
@@ -347,7 +374,9 @@ impl Engine {
         Duration::from_secs_f64(seconds_micros as f64 / 1e6 * self.config.time_scale.max(0.0))
     }
 
-    /// Runs one admitted request to completion or until `tx`'s receiver is dropped. `seed` names the answer.
+    /// Runs one admitted request (its `leg` of it) to completion or until `tx`'s receiver is dropped. `seed` names
+    /// the answer.
+    #[allow(clippy::too_many_arguments)]
     pub async fn run(
         self: Arc<Self>,
         admission: Admission,
@@ -355,6 +384,7 @@ impl Engine {
         max_new_tokens: u32,
         seed: u64,
         streaming: bool,
+        leg: Leg,
         tx: mpsc::Sender<Emit>,
     ) {
         let rank = admission.rank;
@@ -369,31 +399,62 @@ impl Engine {
         if !delay.is_zero() && !wait(tokio::time::sleep(delay), &tx).await {
             return;
         }
-        let prefill_turn = tokio::select! {
-            turn = r.prefill.lock() => turn,
-            _ = tx.closed() => return,
+        let cached = match &leg {
+            Leg::Decode(source) => {
+                let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
+                let fetched = tokio::select! {
+                    fetched = crate::disagg::fetch_kv(source, timeout) => fetched,
+                    _ = tx.closed() => return,
+                };
+                let kv = match fetched {
+                    Ok(kv) => kv,
+                    Err(message) => {
+                        let _ = tx.send(Emit::Fail { status: 500, message }).await;
+                        return;
+                    }
+                };
+                let transfer = self.scaled(self.config.cost.transfer(kv.prompt_tokens));
+                if !transfer.is_zero() && !wait(tokio::time::sleep(transfer), &tx).await {
+                    return;
+                }
+                let mut cache = r.cache();
+                cache.insert(&tokens);
+                slot.pin = Some(cache.lock(&tokens, tokens.len()));
+                drop(cache);
+                slot.start_decoding();
+                kv.cached_tokens
+            }
+            _ => match self.prefill(&mut slot, &tokens, &tx).await {
+                Some(cached) => cached,
+                None => return,
+            },
         };
-        slot.start_prefill();
-        let cached = {
-            let mut cache = r.cache();
-            let cached = cache.match_prefix(&tokens);
-            slot.pin = Some(cache.lock(&tokens, cached));
-            cached
-        };
-        let service = self.scaled(self.config.cost.prefill(tokens.len() - cached));
-        if !service.is_zero() && !wait(tokio::time::sleep(service), &tx).await {
-            return;
-        }
-        {
-            let mut cache = r.cache();
-            cache.insert(&tokens);
-            let pin = cache.lock(&tokens, tokens.len());
-            if let Some(old) = slot.pin.replace(pin) {
-                cache.unlock(old);
+        if let Leg::Prefill(room) = &leg {
+            let kv = Kv {
+                rank: rank as u32,
+                prompt_tokens: tokens.len(),
+                cached_tokens: cached,
+            };
+            let fetched = room.ready(kv);
+            let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
+            let taken = tokio::select! {
+                taken = tokio::time::timeout(timeout, fetched) => taken,
+                _ = tx.closed() => return,
+            };
+            if !matches!(taken, Ok(Ok(()))) {
+                let message = format!(
+                    "KV transfer failed: no decode server took bootstrap_room {} within {} s",
+                    room.room,
+                    timeout.as_secs_f64()
+                );
+                let _ = tx.send(Emit::Fail { status: 500, message }).await;
+                return;
+            }
+            let transfer = self.scaled(self.config.cost.transfer(tokens.len()));
+            if !transfer.is_zero() && !wait(tokio::time::sleep(transfer), &tx).await {
+                return;
             }
         }
-        slot.end_prefill();
-        drop(prefill_turn);
         if break_after == Some(0) {
             let _ = tx.send(Emit::Drop).await;
             return;
@@ -452,6 +513,40 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Prefills `tokens` on the slot's rank in its turn: returns the tokens its cache held, or `None` when the
+    /// request went away first.
+    async fn prefill(&self, slot: &mut Slot, tokens: &[u32], tx: &mpsc::Sender<Emit>) -> Option<usize> {
+        let r = &self.ranks[slot.rank];
+        let prefill_turn = tokio::select! {
+            turn = r.prefill.lock() => turn,
+            _ = tx.closed() => return None,
+        };
+        slot.start_prefill();
+        let cached = {
+            let mut cache = r.cache();
+            let cached = cache.match_prefix(tokens);
+            slot.pin = Some(cache.lock(tokens, cached));
+            cached
+        };
+        let service = self.scaled(self.config.cost.prefill(tokens.len() - cached));
+        if !service.is_zero() && !wait(tokio::time::sleep(service), tx).await {
+            return None;
+        }
+        {
+            let mut cache = r.cache();
+            cache.insert(tokens);
+            let pin = cache.lock(tokens, tokens.len());
+            if let Some(old) = slot.pin.replace(pin) {
+                cache.unlock(old);
+            }
+        }
+        slot.end_prefill();
+        drop(prefill_turn);
+        Some(cached)
+    }
+}
+
 /// Waits for `fut` unless the receiver goes away first; false when it did.
 async fn wait(fut: impl std::future::Future<Output = ()>, tx: &mpsc::Sender<Emit>) -> bool {
     tokio::select! {
@@ -500,6 +595,14 @@ impl Slot {
         self.rank().running.fetch_add(1, Relaxed);
         self.engine.stall.prefill_started();
         self.stage = Stage::Prefilling;
+    }
+
+    /// A decode server's request got its KV cache: it runs without a prefill of its own.
+    fn start_decoding(&mut self) {
+        self.rank().waiting.fetch_sub(1, Relaxed);
+        self.rank().running.fetch_add(1, Relaxed);
+        self.rank().pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
+        self.stage = Stage::Decoding;
     }
 
     fn end_prefill(&mut self) {

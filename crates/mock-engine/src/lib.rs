@@ -11,6 +11,7 @@ use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 pub mod api;
+pub mod disagg;
 pub mod engine;
 pub mod kv_publisher;
 mod render;
@@ -19,7 +20,7 @@ pub mod stall;
 pub mod tokenizer;
 
 pub use api::{router, SERVED_RANK_HEADER};
-pub use engine::{Admission, Api, Engine, EngineConfig, Faults};
+pub use engine::{Admission, Api, Engine, EngineConfig, Faults, Leg};
 
 /// Serves `engine` on `listener` until `shutdown` completes (in-flight requests finish first).
 pub async fn serve(
@@ -34,4 +35,19 @@ pub async fn serve(
     axum::serve(listener, router(engine))
         .with_graceful_shutdown(shutdown)
         .await
+}
+
+/// Serves a prefill mock's bootstrap server ([`disagg`]) on `listener` until `shutdown` completes.
+pub async fn serve_bootstrap(
+    listener: TcpListener,
+    engine: Arc<Engine>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let config = engine
+        .config()
+        .disaggregation
+        .clone()
+        .unwrap_or_else(|| disagg::Disaggregation::new(disagg::Mode::Prefill));
+    let router = disagg::bootstrap_router(Arc::clone(engine.rooms()), &config);
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
 }

@@ -100,7 +100,7 @@ impl Renderer {
                 self.completion_tokens = *completion_tokens;
                 None
             }
-            Emit::Drop => None,
+            Emit::Drop | Emit::Fail { .. } => None,
         }
     }
 
@@ -163,6 +163,12 @@ fn sse(value: &Value) -> Bytes {
 
 pub(crate) async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<Emit>) -> Response {
     while let Some(emit) = rx.recv().await {
+        if let Emit::Fail { status, message } = emit {
+            return error(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                message,
+            );
+        }
         if let Emit::Done { .. } = emit {
             render.absorb(&emit);
             render.keep_response();
@@ -196,6 +202,10 @@ pub(crate) fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Res
                     Err(std::io::Error::other("injected fault: connection dropped")),
                     StreamState::Ended,
                 ))
+            }
+            Emit::Fail { status, message } => {
+                let event = json!({"error": {"message": message, "type": "InternalServerError", "code": status}});
+                Some((Ok(sse(&event)), StreamState::Ended))
             }
             Emit::Done { .. } if render.kind == Kind::Responses => {
                 render.absorb(&emit);

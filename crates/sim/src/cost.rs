@@ -58,6 +58,10 @@ pub struct CostModel {
     /// independent ranks, 1 one pool ([`crate::shared_prefill`]).
     #[serde(default)]
     pub prefill_contention: f64,
+    /// Under prefill/decode disaggregation, how fast a prompt's KV cache moves from a prefill rank to a decode
+    /// rank, tokens per second (0 = free).
+    #[serde(default)]
+    pub kv_transfer_tokens_per_s: f64,
 }
 
 impl CostModel {
@@ -74,6 +78,8 @@ impl CostModel {
                 page_size: 1,
                 prefill_stalls_decode: true,
                 prefill_contention: 0.0,
+                // MLA's ~70 KB of KV per token over ~35 GB/s of RDMA.
+                kv_transfer_tokens_per_s: 500_000.0,
             }),
             "h100-8b" => Some(Self {
                 base_s: 0.025,
@@ -84,6 +90,8 @@ impl CostModel {
                 page_size: 1,
                 prefill_stalls_decode: false,
                 prefill_contention: 0.0,
+                // 128 KB of KV per token (Llama 3 8B, bf16) over ~25 GB/s.
+                kv_transfer_tokens_per_s: 200_000.0,
             }),
             "zero" => Some(Self::ZERO),
             _ => None,
@@ -100,6 +108,7 @@ impl CostModel {
         page_size: 1,
         prefill_stalls_decode: false,
         prefill_contention: 0.0,
+        kv_transfer_tokens_per_s: 0.0,
     };
 
     /// Service time of one prefill with `uncached` new tokens.
@@ -110,6 +119,15 @@ impl CostModel {
             0.0
         };
         to_micros(self.base_s + rate)
+    }
+
+    /// Time to move the KV cache of `tokens` prompt tokens from a prefill rank to a decode rank.
+    pub fn transfer(&self, tokens: usize) -> Micros {
+        if self.kv_transfer_tokens_per_s > 0.0 {
+            to_micros(tokens as f64 / self.kv_transfer_tokens_per_s)
+        } else {
+            0
+        }
     }
 
     /// Time to decode `output_tokens` after the first one, with `running` requests decoding on the rank (this one

@@ -16,6 +16,7 @@ use crate::request::RouteRequest;
 
 pub mod cache_aware;
 pub mod follow_bootstrap_room;
+pub mod least_loaded;
 pub mod prefix_affinity;
 pub mod prefix_match;
 pub mod round_robin;
@@ -24,6 +25,7 @@ pub mod total_tokens;
 
 pub use cache_aware::{CacheAware, CacheAwareConfig, IndexStats};
 pub use follow_bootstrap_room::FollowBootstrapRoom;
+pub use least_loaded::LeastLoaded;
 pub use prefix_affinity::{AffinityLoad, PrefixAffinity, PrefixAffinityConfig};
 pub use prefix_match::PrefixMatch;
 pub use round_robin::RoundRobin;

@@ -1,0 +1,470 @@
+//! A disaggregated request's two legs ([`crate::pairing`]), SGLang's way: the prefill and the decode server get
+//! the same body at once, each with the bootstrap room that pairs them, and the client gets the decode server's
+//! answer.
+//!
+//! The prefill leg runs in a task of its own ([`PrefillLeg`]) holding the prefill ticket: its first byte releases
+//! the prefill endpoint's queued-prefill share, its usage report (the prompt tokens the prefill server had cached)
+//! teaches the prefill policy, and its end releases the endpoint's in-flight count. Its outcome is watched by
+//! whatever waits on the decode leg: the response head first, then the body relayed to the client
+//! ([`crate::body::GuardedBody::watching`]). Either leg failing ends the other:
+//! - the prefill leg fails before the decode leg answers: the decode request is dropped (its connection closes,
+//!   which aborts it at the engine) and the client gets the prefill's 4xx as it came, or a 502/504 that names the
+//!   prefill endpoint;
+//! - the prefill leg fails while the decode answer streams: the stream ends with an error event (a body that is
+//!   not a stream breaks);
+//! - the decode leg fails, or the client goes away: the prefill task is aborted, closing its connection.
+//!
+//! A connection refused on either leg is retried (at most `retries` times, never for a pinned leg) before any byte
+//! reached the client: a refused prefill leg on another prefill endpoint with a new room (the decode request
+//! waiting for the old room is dropped and sent again), a refused decode leg on another decode endpoint with the
+//! same room (the prefill server still holds the room's KV cache for whichever decode server asks for it).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use dprouter_core::{Branch, UsageScanner, WorkerId};
+use http_body_util::BodyExt;
+use tokio::task::JoinHandle;
+
+use crate::access::Routing;
+use crate::body::{GatewayTicket, Timing};
+use crate::config::Role;
+use crate::error::ApiError;
+use crate::proxy::{relay, upstream_request, Answer};
+use crate::registry::{Failure, Target};
+use crate::routing::Routed;
+use crate::spans::{AttemptSpan, RequestSpan};
+use crate::state::AppState;
+use crate::telemetry;
+
+/// The most of a prefill server's error answer kept, to hand to the client.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+
+/// How a prefill leg failed.
+pub enum LegFailure {
+    /// Its connection was refused: the server never got the request. The ticket comes back, to route again.
+    Refused(Box<GatewayTicket>, String),
+    /// The server answered with an error status (its body, at most [`MAX_ERROR_BYTES`]).
+    Status { status: u16, body: Bytes },
+    /// No answer in time, or an answer that stalled.
+    Timeout(String),
+    /// The exchange broke.
+    Broken(String),
+}
+
+impl LegFailure {
+    /// What a client whose answer had begun is told.
+    fn message(&self, endpoint: &str) -> String {
+        match self {
+            LegFailure::Refused(_, m) => format!("the prefill leg at {endpoint} could not connect: {m}"),
+            LegFailure::Status { status, body } => format!(
+                "the prefill leg at {endpoint} answered {status}: {}",
+                String::from_utf8_lossy(body).trim()
+            ),
+            LegFailure::Timeout(m) => format!("the prefill leg at {endpoint} timed out: {m}"),
+            LegFailure::Broken(m) => format!("the prefill leg at {endpoint} failed: {m}"),
+        }
+    }
+}
+
+/// The prefill leg of one attempt, run by [`PrefillLeg::run`].
+struct PrefillLeg {
+    ticket: GatewayTicket,
+    target: Target,
+    state: Arc<AppState>,
+    attempt: AttemptSpan,
+    timing: Timing,
+}
+
+impl PrefillLeg {
+    async fn run(mut self, request: hyper::Request<crate::upstream::Chunks>) -> Result<(), LegFailure> {
+        let label = self.target.label();
+        let id = self.target.id;
+        let failure = Failure::engine(self.ticket.pick.branch);
+        let sent = tokio::time::timeout_at(self.timing.first_byte, self.state.upstream.send(request)).await;
+        let response = match sent {
+            Err(_) => {
+                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label, "kind" => "timeout").increment(1);
+                self.attempt.failed("no response head in time");
+                self.state.registry.record_failure(id, failure, Instant::now());
+                return Err(LegFailure::Timeout("no response head in time".into()));
+            }
+            Ok(Err(err)) => {
+                let message = crate::upstream::error_chain(&err);
+                let kind = if err.is_connect() { "connect" } else { "server" };
+                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label, "kind" => kind).increment(1);
+                self.attempt.failed(&message);
+                if err.is_connect() {
+                    self.state.registry.record_failure(id, Failure::Connect, Instant::now());
+                    return Err(LegFailure::Refused(Box::new(self.ticket), message));
+                }
+                self.state
+                    .registry
+                    .record_failure(id, Failure::Ambiguous, Instant::now());
+                return Err(LegFailure::Broken(message));
+            }
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        self.attempt.answered(status.as_u16());
+        if !status.is_success() {
+            if status.is_server_error() {
+                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label, "kind" => "status_5xx").increment(1);
+                self.state.registry.record_failure(id, failure, Instant::now());
+            }
+            let body = read_bounded(response.into_body(), self.timing.idle).await;
+            return Err(LegFailure::Status {
+                status: status.as_u16(),
+                body,
+            });
+        }
+        self.target.state.record_success();
+        let sse = response
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        let mut scanner = UsageScanner::new(sse);
+        let mut body = response.into_body();
+        let mut first = true;
+        loop {
+            let frame = match tokio::time::timeout(self.timing.idle, body.frame()).await {
+                Err(_) => {
+                    self.state.registry.record_failure(id, failure, Instant::now());
+                    return Err(LegFailure::Timeout("its answer stalled".into()));
+                }
+                Ok(None) => break,
+                Ok(Some(Err(err))) => {
+                    self.state.registry.record_failure(id, failure, Instant::now());
+                    return Err(LegFailure::Broken(format!("its answer broke: {err}")));
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else { continue };
+            if first && !data.is_empty() {
+                first = false;
+                // The prefill is over: the endpoint's next queued request begins its prefill.
+                self.ticket.first_token(crate::clock::now_us());
+            }
+            if let Some(usage) = scanner.feed(&data) {
+                self.report(usage);
+            }
+        }
+        if let Some(usage) = scanner.finish() {
+            self.report(usage);
+        }
+        Ok(())
+    }
+
+    /// The prefill server's usage report: how much of the prompt it had cached teaches the prefill policy.
+    fn report(&mut self, usage: dprouter_core::Usage) {
+        let label = self.target.label();
+        metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => label.clone()).increment(usage.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => label).increment(usage.cached_tokens);
+        self.ticket.usage(usage);
+    }
+}
+
+/// Reads at most [`MAX_ERROR_BYTES`] of an error answer, each frame within `idle`.
+async fn read_bounded(mut body: hyper::body::Incoming, idle: Duration) -> Bytes {
+    let mut out = Vec::new();
+    while out.len() < MAX_ERROR_BYTES {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    let room = MAX_ERROR_BYTES - out.len();
+                    out.extend_from_slice(&data[..data.len().min(room)]);
+                }
+            }
+            _ => break,
+        }
+    }
+    Bytes::from(out)
+}
+
+/// A running prefill leg, watched from the decode side: dropped before the leg ended, it aborts it.
+pub struct PrefillWatch {
+    handle: JoinHandle<Result<(), LegFailure>>,
+    label: String,
+    /// The answer the client got ended whole: the leg may finish its own (its usage report still teaches the
+    /// prefill policy) rather than be aborted.
+    detached: bool,
+}
+
+impl PrefillWatch {
+    /// `Ready(None)` once the leg ended well, `Ready(Some(message))` if it failed.
+    pub fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>> {
+        Pin::new(&mut self.handle).poll(cx).map(|joined| match joined {
+            Ok(Ok(())) => None,
+            Ok(Err(failure)) => Some(failure.message(&self.label)),
+            Err(e) => Some(format!("the prefill leg at {} ended: {e}", self.label)),
+        })
+    }
+
+    /// Lets the leg run to its end when this is dropped.
+    pub fn detach(&mut self) {
+        self.detached = true;
+    }
+}
+
+impl Drop for PrefillWatch {
+    fn drop(&mut self) {
+        if !self.detached {
+            self.handle.abort();
+        }
+    }
+}
+
+/// What ended the wait for the decode leg's response head.
+enum Outcome {
+    Decode(Result<Result<hyper::Response<hyper::body::Incoming>, crate::upstream::UpstreamError>, ()>),
+    Prefill(LegFailure),
+}
+
+/// Forwards a disaggregated request (`routed.pair` is set): both legs, retries on refused connections, and the
+/// decode leg's answer relayed with the prefill leg watched.
+pub async fn forward(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    path_and_query: &str,
+    mut routed: Routed,
+    span: RequestSpan,
+    timing: Timing,
+    first_byte_timeout: Duration,
+) -> Result<Response, ApiError> {
+    let membership = Arc::clone(&routed.membership);
+    let mut refused: Vec<WorkerId> = Vec::new();
+    let mut running: Option<PrefillWatch> = None;
+    loop {
+        let attempt_no = refused.len() as u32 + 1;
+        let Some(pair) = routed.pair.as_mut() else {
+            return Err(ApiError::Unavailable(
+                "a disaggregated request lost its prefill leg".into(),
+            ));
+        };
+        let prefill_target = membership.targets[pair.rank].clone();
+        let prefill_label = prefill_target.label();
+        if running.is_none() {
+            let Some(ticket) = pair.ticket.take() else {
+                return Err(ApiError::Unavailable(
+                    "a disaggregated request lost its prefill ticket".into(),
+                ));
+            };
+            let attempt = span.attempt(&prefill_label, prefill_target.id.dp_rank, attempt_no);
+            let request = upstream_request(&routed, &prefill_target, path_and_query, headers, attempt.traceparent())?;
+            let leg = PrefillLeg {
+                ticket,
+                target: prefill_target.clone(),
+                state: Arc::clone(state),
+                attempt,
+                timing,
+            };
+            running = Some(PrefillWatch {
+                handle: tokio::spawn(leg.run(request)),
+                label: prefill_label.clone(),
+                detached: false,
+            });
+        }
+        let target = &membership.targets[routed.ticket.pick.rank];
+        let branch = routed.ticket.pick.branch;
+        let label = target.label();
+        let attempt = span.attempt(&label, target.id.dp_rank, attempt_no);
+        let request = upstream_request(&routed, target, path_and_query, headers, attempt.traceparent())?;
+        let send = tokio::time::timeout_at(timing.first_byte, state.upstream.send(request));
+        tokio::pin!(send);
+        let outcome = loop {
+            let Some(watch) = running.as_mut() else {
+                break Outcome::Decode(send.as_mut().await.map_err(|_| ()));
+            };
+            tokio::select! {
+                sent = send.as_mut() => break Outcome::Decode(sent.map_err(|_| ())),
+                ended = &mut watch.handle => match ended {
+                    Ok(Ok(())) => {
+                        // The prefill is done; the decode answer comes next.
+                        watch.detach();
+                        running = None;
+                    }
+                    Ok(Err(failure)) => break Outcome::Prefill(failure),
+                    Err(e) => break Outcome::Prefill(LegFailure::Broken(e.to_string())),
+                },
+            }
+        };
+        match outcome {
+            Outcome::Prefill(failure) => {
+                running = None;
+                // The decode request waits for a room that will never be ready: dropped, it is aborted.
+                attempt.failed("its prefill leg failed");
+                match failure {
+                    LegFailure::Refused(ticket, message) => {
+                        let pinned = ticket.pick.branch == Branch::Override;
+                        if pinned || refused.len() >= state.config.retries as usize {
+                            return Err(ApiError::Upstream {
+                                endpoint: prefill_label,
+                                message,
+                            });
+                        }
+                        metrics::counter!(telemetry::RETRIES).increment(1);
+                        refused.push(prefill_target.id.worker);
+                        let accept = |rank: usize| {
+                            let t = &membership.targets[rank];
+                            t.role == Role::Prefill && routed.serving(rank) && !refused.contains(&t.id.worker)
+                        };
+                        let ticket = (*ticket)
+                            .reroute(&membership.snapshot, &accept, crate::clock::now_us())
+                            .map_err(|e| no_prefill(e, &message))?;
+                        crate::routing::count_decision(state, ticket.pick.branch);
+                        pair_again(&mut routed, ticket);
+                        continue;
+                    }
+                    LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                        // The request's own fault: the client gets the prefill server's answer as it came.
+                        return Ok(client_error(status, body));
+                    }
+                    LegFailure::Timeout(_) => {
+                        return Err(ApiError::UpstreamTimeout {
+                            endpoint: prefill_label,
+                            after_ms: first_byte_timeout.as_millis() as u64,
+                        })
+                    }
+                    failure => {
+                        return Err(ApiError::Upstream {
+                            message: failure.message(&prefill_label),
+                            endpoint: prefill_label,
+                        })
+                    }
+                }
+            }
+            Outcome::Decode(Err(())) => {
+                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout")
+                    .increment(1);
+                attempt.failed("no response head in time");
+                state
+                    .registry
+                    .record_failure(target.id, Failure::engine(branch), Instant::now());
+                return Err(ApiError::UpstreamTimeout {
+                    endpoint: label,
+                    after_ms: first_byte_timeout.as_millis() as u64,
+                });
+            }
+            Outcome::Decode(Ok(Ok(response))) => {
+                let status = response.status();
+                if status.is_server_error() {
+                    metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "status_5xx")
+                        .increment(1);
+                    state
+                        .registry
+                        .record_failure(target.id, Failure::engine(branch), Instant::now());
+                } else if status.is_success() {
+                    target.state.record_success();
+                }
+                attempt.answered(status.as_u16());
+                if !status.is_success() {
+                    // No decode server will fetch the room: the prefill leg ends now.
+                    running = None;
+                }
+                let routing = Routing {
+                    endpoint: label,
+                    rank: target.id.dp_rank,
+                    policy: state.policies.role_default(Role::Decode).name(),
+                    branch: branch.as_str(),
+                    model: routed.served.clone().or(routed.model.clone()),
+                    retries: refused.len() as u32,
+                };
+                let answer = Answer {
+                    response,
+                    routing,
+                    attempt,
+                    timing,
+                    remember: routed.responses_api && status.is_success(),
+                    prefill: running,
+                };
+                let mut out = relay(state, answer, routed.ticket, target);
+                if let Ok(v) = axum::http::HeaderValue::from_str(&prefill_label) {
+                    out.headers_mut().insert(PREFILL_ENDPOINT_HEADER, v);
+                }
+                return Ok(out);
+            }
+            Outcome::Decode(Ok(Err(err))) => {
+                let message = crate::upstream::error_chain(&err);
+                let kind = if err.is_connect() { "connect" } else { "server" };
+                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
+                attempt.failed(&message);
+                let failure = if err.is_connect() {
+                    Failure::Connect
+                } else {
+                    Failure::Ambiguous
+                };
+                state.registry.record_failure(target.id, failure, Instant::now());
+                let retry =
+                    err.is_connect() && branch != Branch::Override && refused.len() < state.config.retries as usize;
+                if !retry {
+                    return Err(ApiError::Upstream {
+                        endpoint: label,
+                        message,
+                    });
+                }
+                // The prefill leg goes on: the new decode endpoint fetches the same room.
+                metrics::counter!(telemetry::RETRIES).increment(1);
+                refused.push(target.id.worker);
+                let served = routed.served.clone();
+                let accept = |rank: usize| {
+                    let t = &membership.targets[rank];
+                    t.role == Role::Decode
+                        && served.as_deref().is_none_or(|m| t.serves(m))
+                        && !refused.contains(&t.id.worker)
+                };
+                routed.ticket = routed
+                    .ticket
+                    .reroute(&membership.snapshot, &accept, crate::clock::now_us())?;
+                crate::routing::count_decision(state, routed.ticket.pick.branch);
+            }
+        }
+    }
+}
+
+/// The response header that names a disaggregated request's prefill endpoint (beside `x-dprouter-endpoint`, the
+/// decode endpoint's).
+pub const PREFILL_ENDPOINT_HEADER: &str = "x-dprouter-prefill-endpoint";
+
+/// A prefill endpoint could not be found again after a refused connection.
+fn no_prefill(e: dprouter_core::RouteError, refused: &str) -> ApiError {
+    match e {
+        dprouter_core::RouteError::NoHealthyEndpoint => ApiError::Unavailable(format!(
+            "no other healthy prefill endpoint (the last one refused: {refused})"
+        )),
+        other => other.into(),
+    }
+}
+
+/// The pair's prefill leg is `ticket` now, with a fresh room for its rank.
+fn pair_again(routed: &mut Routed, ticket: GatewayTicket) {
+    let room = crate::pairing::room_of(&routed.membership, &ticket);
+    if let Some(pair) = routed.pair.as_mut() {
+        pair.rank = ticket.pick.rank;
+        pair.room = room;
+        pair.ticket = Some(ticket);
+    }
+}
+
+/// A prefill server's 4xx, as it came (a JSON body, or the gateway's own error body around its text).
+fn client_error(status: u16, body: Bytes) -> Response {
+    let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_REQUEST);
+    if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
+        let mut out = (status, body).into_response();
+        out.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        );
+        return out;
+    }
+    let message = String::from_utf8_lossy(&body).trim().to_string();
+    let body =
+        serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}

@@ -1,0 +1,266 @@
+//! Prefill/decode disaggregation end to end: `dprouter serve --prefill … --decode …` in front of mock engines in
+//! SGLang's PD roles (`mock-engine --disaggregation-mode prefill|decode`), all real processes on loopback.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use common::{eventually, get, in_flight, post, read, send, Proc};
+use serde_json::{json, Value};
+
+/// A prefill or decode mock with `dp` ranks; `extra` flags after.
+fn mock(mode: &str, dp: &str, extra: &[&str]) -> Proc {
+    let mut args = vec![
+        "--dp-size",
+        dp,
+        "--disaggregation-mode",
+        mode,
+        "--disaggregation-bootstrap-port",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    Proc::engine(&args)
+}
+
+/// A prefill mock's `--prefill` value: its URL and its bootstrap server's port.
+async fn prefill_arg(c: &common::HttpClient, prefill: &Proc) -> String {
+    let info = get(c, &format!("{}/get_server_info", prefill.url)).await.json;
+    assert_eq!(info["disaggregation_mode"], "prefill");
+    format!("{}:{}", prefill.url, info["disaggregation_bootstrap_port"])
+}
+
+/// A gateway in front of `prefills` and `decodes`, with `extra` flags.
+async fn gateway(c: &common::HttpClient, prefills: &[&Proc], decodes: &[&Proc], extra: &[&str]) -> Proc {
+    let mut owned = Vec::new();
+    for p in prefills {
+        owned.push("--prefill".to_string());
+        owned.push(prefill_arg(c, p).await);
+    }
+    for d in decodes {
+        owned.push("--decode".to_string());
+        owned.push(d.url.clone());
+    }
+    let mut args: Vec<&str> = vec!["serve", "--listen", "127.0.0.1:0", "--poll-load-ms", "50"];
+    args.extend(owned.iter().map(String::as_str));
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// Agent `agent`'s prompt at turn `turn`: its own 3,000-token system prompt, then 48 tokens per earlier turn.
+fn prompt(agent: u32, turn: u32) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..3000).map(|i| 1000 + agent * 100_000 + i).collect();
+    ids.extend((0..turn * 48).map(|i| 50_000 + agent * 100_000 + i));
+    ids
+}
+
+/// The cached tokens an answer reports (a whole answer's usage, or a stream's usage chunk).
+fn cached_tokens(reply: &common::Reply) -> Option<u64> {
+    if let Some(n) = reply.json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        return Some(n);
+    }
+    reply
+        .text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
+}
+
+/// Open bootstrap rooms and requests on all ranks of a mock.
+async fn mock_load(c: &common::HttpClient, engine: &Proc) -> (u64, u64) {
+    let info = get(c, &format!("{}/get_server_info", engine.url)).await.json;
+    let load = get(c, &format!("{}/get_load", engine.url)).await.json;
+    let requests = load
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["num_reqs"].as_u64().unwrap())
+        .sum();
+    (info["open_bootstrap_rooms"].as_u64().unwrap(), requests)
+}
+
+/// Nothing left anywhere: no request in flight at the gateway, no room or request at a mock.
+async fn all_settled(c: &common::HttpClient, gateway: &Proc, engines: &[&Proc]) -> bool {
+    eventually(Duration::from_secs(10), || async {
+        if in_flight(c, &gateway.url).await != 0 {
+            return false;
+        }
+        for e in engines {
+            if mock_load(c, e).await != (0, 0) {
+                return false;
+            }
+        }
+        true
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_hit_their_prefill_cache_while_decode_load_is_spread() {
+    let c = common::client();
+    let (p1, p2) = (mock("prefill", "2", &[]), mock("prefill", "2", &[]));
+    let (d1, d2) = (mock("decode", "2", &[]), mock("decode", "2", &[]));
+    let gw = gateway(&c, &[&p1, &p2], &[&d1, &d2], &[]).await;
+
+    let agents = (0..4u32).map(|agent| {
+        let c = c.clone();
+        let url = format!("{}/v1/completions", gw.url);
+        tokio::spawn(async move {
+            let mut turns = Vec::new();
+            for turn in 0..4u32 {
+                let ids = prompt(agent, turn);
+                let stream = (agent + turn) % 2 == 1;
+                let body = json!({"model": "m", "prompt": ids, "max_tokens": 8, "stream": stream,
+                                  "stream_options": {"include_usage": true}});
+                let reply = post(&c, &url, &[], &body).await;
+                assert_eq!(reply.status, 200, "agent {agent} turn {turn}: {}", reply.text);
+                let prefill = reply.headers["x-dprouter-prefill-endpoint"]
+                    .to_str()
+                    .unwrap()
+                    .to_string();
+                let decode = reply.endpoint.clone().unwrap();
+                let cached = cached_tokens(&reply).unwrap_or_else(|| panic!("no usage in {}", reply.text));
+                if stream {
+                    assert!(reply.text.contains("data: [DONE]"), "{}", reply.text);
+                }
+                turns.push((ids.len() as u64, cached, prefill, decode));
+            }
+            turns
+        })
+    });
+    let mut decode_tokens: BTreeMap<String, u64> = BTreeMap::new();
+    let mut prefills = std::collections::BTreeSet::new();
+    for (agent, task) in agents.enumerate() {
+        let turns = task.await.unwrap();
+        for (turn, (tokens, cached, prefill, decode)) in turns.iter().enumerate() {
+            if turn > 0 {
+                assert!(
+                    2 * cached > *tokens,
+                    "agent {agent} turn {turn}: {cached} of {tokens} tokens cached on {prefill}"
+                );
+                assert_eq!(prefill, &turns[0].2, "agent {agent} left its prefill endpoint");
+            }
+            *decode_tokens.entry(decode.clone()).or_default() += tokens;
+        }
+        prefills.insert(turns[0].2.clone());
+    }
+    // Each decode rank is an endpoint of a decode worker (workers 2 and 3: the prefill ones come first).
+    assert!(
+        decode_tokens.keys().all(|e| e.starts_with("w2") || e.starts_with("w3")),
+        "{decode_tokens:?}"
+    );
+    assert_eq!(decode_tokens.len(), 4, "every decode rank serves: {decode_tokens:?}");
+    let total: u64 = decode_tokens.values().sum();
+    let busiest = *decode_tokens.values().max().unwrap();
+    assert!(
+        busiest as f64 <= 1.5 * total as f64 / 4.0,
+        "decode tokens per rank: {decode_tokens:?}"
+    );
+    assert!(
+        prefills.len() > 1,
+        "the agents share one prefill endpoint: {prefills:?}"
+    );
+    assert!(
+        all_settled(&c, &gw, &[&p1, &p2, &d1, &d2]).await,
+        "something was left in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_leg_gives_a_clear_error_and_leaves_no_decode_leg_waiting() {
+    let c = common::client();
+    let failing = mock("prefill", "2", &["--error-rate", "1"]);
+    let decode = mock("decode", "2", &[]);
+    let gw = gateway(&c, &[&failing], &[&decode], &[]).await;
+    for stream in [false, true] {
+        let body = json!({"prompt": prompt(0, 0), "max_tokens": 4, "stream": stream});
+        let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+        assert_eq!(reply.status, 502, "{}", reply.text);
+        let message = reply.json["error"]["message"].as_str().unwrap();
+        assert!(message.contains("prefill leg") && message.contains("500"), "{message}");
+    }
+    assert!(
+        all_settled(&c, &gw, &[&failing, &decode]).await,
+        "something was left in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bootstrap_that_never_answers_fails_the_request_and_frees_the_room() {
+    let c = common::client();
+    let hanging = mock("prefill", "1", &["--bootstrap-hangs"]);
+    let decode = mock("decode", "1", &["--disaggregation-timeout-s", "0.5"]);
+    let gw = gateway(&c, &[&hanging], &[&decode], &[]).await;
+    let body = json!({"prompt": prompt(1, 0), "max_tokens": 4});
+    let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+    assert_eq!(reply.status, 500, "{}", reply.text);
+    assert!(reply.text.contains("KV transfer"), "{}", reply.text);
+    assert!(
+        all_settled(&c, &gw, &[&hanging, &decode]).await,
+        "something was left in flight"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_cancels_both_legs() {
+    let c = common::client();
+    // Slow decoding: the answer is still streaming when the client goes.
+    let prefill = mock("prefill", "1", &[]);
+    let decode = mock("decode", "1", &["--tpot-ms", "200"]);
+    let gw = gateway(&c, &[&prefill], &[&decode], &[]).await;
+    let body = json!({"prompt": prompt(2, 0), "max_tokens": 50, "stream": true});
+    let response = send(&c, &format!("{}/v1/completions", gw.url), &[], body.to_string()).await;
+    assert_eq!(response.status(), 200);
+    drop(response);
+    assert!(
+        all_settled(&c, &gw, &[&prefill, &decode]).await,
+        "something was left in flight"
+    );
+    let aborted = get(&c, &format!("{}/get_server_info", decode.url)).await.json["aborted_requests"].clone();
+    assert_eq!(aborted, 1, "the decode leg was not cancelled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mocks_refuse_what_sglang_refuses() {
+    let c = common::client();
+    let prefill = mock("prefill", "2", &[]);
+    let decode = mock("decode", "2", &[]);
+    let ids = prompt(3, 0);
+    // No room.
+    for engine in [&prefill, &decode] {
+        let reply = post(&c, &format!("{}/generate", engine.url), &[], &json!({"input_ids": ids})).await;
+        assert_eq!(reply.status, 400);
+        assert!(reply.text.contains("without bootstrap room id"), "{}", reply.text);
+    }
+    // A pin that disagrees with the room's residue.
+    let body = json!({"input_ids": ids, "bootstrap_room": 7, "routed_dp_rank": 0});
+    let reply = post(&c, &format!("{}/generate", prefill.url), &[], &body).await;
+    assert_eq!(reply.status, 400);
+    assert!(reply.text.contains("follow_bootstrap_room"), "{}", reply.text);
+    // The two legs of one room, by hand: the decode server names the wrong prefill rank, then the right one.
+    let bootstrap =
+        get(&c, &format!("{}/get_server_info", prefill.url)).await.json["disaggregation_bootstrap_port"].clone();
+    let leg = |rank: u32| {
+        json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 3}, "bootstrap_room": 9,
+               "bootstrap_host": "127.0.0.1", "bootstrap_port": bootstrap, "disagg_prefill_dp_rank": rank})
+    };
+    let prefill_leg = tokio::spawn({
+        let (c, url, body) = (c.clone(), format!("{}/generate", prefill.url), leg(1));
+        async move { read(send(&c, &url, &[], body.to_string()).await).await }
+    });
+    let wrong = post(&c, &format!("{}/generate", decode.url), &[], &leg(0)).await;
+    assert_eq!(wrong.status, 500);
+    assert!(wrong.text.contains("not 0"), "{}", wrong.text);
+    let right = post(&c, &format!("{}/generate", decode.url), &[], &leg(1)).await;
+    assert_eq!(right.status, 200, "{}", right.text);
+    assert_eq!(right.json["meta_info"]["completion_tokens"], 3);
+    let prefill_reply = prefill_leg.await.unwrap();
+    assert_eq!(prefill_reply.status, 200, "{}", prefill_reply.text);
+    assert_eq!(
+        prefill_reply.json["meta_info"]["dp_rank"], 1,
+        "room 9 goes to rank 9 % 2"
+    );
+    assert_eq!(prefill_reply.json["meta_info"]["completion_tokens"], 1);
+}
