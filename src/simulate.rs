@@ -33,7 +33,8 @@ pub struct SimulateArgs {
     /// Number of data-parallel ranks.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     dp_size: u32,
-    /// Policies to compare, separated by `;` or repeated (default: all); each `NAME` or `NAME:key=value,...`.
+    /// Policies to compare, separated by `;` or repeated (default: all but least_loaded, the decode servers' policy
+    /// under disaggregation); each `NAME` or `NAME:key=value,...`.
     /// A plain comma-separated list of names also works.
     #[arg(long, value_parser = parse_policies)]
     policy: Vec<Vec<String>>,
@@ -201,7 +202,12 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         anyhow::ensure!(ms >= 0.0 && ms.is_finite(), "--kv-events-delay-ms must be >= 0");
     }
     let specs: Vec<String> = if args.policy.is_empty() {
-        PolicyConfig::NAMES.iter().map(|n| (*n).to_owned()).collect()
+        // `least_loaded` picks decode servers, which keep no prefix worth routing on: name it to compare it.
+        PolicyConfig::NAMES
+            .iter()
+            .filter(|&&n| n != "least_loaded")
+            .map(|n| (*n).to_owned())
+            .collect()
     } else {
         args.policy.concat()
     };

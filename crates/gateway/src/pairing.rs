@@ -108,13 +108,13 @@ pub fn check_pin(membership: &Membership, pin: Option<i64>, roles: &[Role]) -> R
     }
 }
 
-/// Picks the pair for `route` among the endpoints `accept` lets through: the decode leg's ticket, and the
-/// prefill leg. A client's pin applies to the leg whose role its rank has.
+/// Picks the pair for `route` among the endpoints `accept` lets through (the prefill leg's, the decode leg's):
+/// the decode leg's ticket, and the prefill leg. A client's pin applies to the leg whose role its rank has.
 pub fn pick(
     membership: &Membership,
     prefill_policy: Arc<dyn Policy>,
     decode_policy: Arc<dyn Policy>,
-    accept: &dyn Fn(usize) -> bool,
+    accept: (&dyn Fn(usize) -> bool, &dyn Fn(usize) -> bool),
     route: RouteRequest,
 ) -> Result<(GatewayTicket, Pair), ApiError> {
     check_pin(membership, route.rank_override, &[Role::Prefill, Role::Decode])?;
@@ -131,8 +131,8 @@ pub fn pick(
         None => {}
     }
     let role_of = |rank: usize| membership.targets[rank].role;
-    let prefill_accept = |rank: usize| role_of(rank) == Role::Prefill && accept(rank);
-    let decode_accept = |rank: usize| role_of(rank) == Role::Decode && accept(rank);
+    let prefill_accept = |rank: usize| role_of(rank) == Role::Prefill && accept.0(rank);
+    let decode_accept = |rank: usize| role_of(rank) == Role::Decode && accept.1(rank);
     let unavailable = |role: Role| {
         move |e: dprouter_core::RouteError| match e {
             dprouter_core::RouteError::NoHealthyEndpoint => {

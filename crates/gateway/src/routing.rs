@@ -187,11 +187,13 @@ pub async fn route(
     };
     let model_key = known.or(membership.sole_model());
     let (ticket, pair) = if crate::pairing::disaggregated(&membership, &serving) {
+        // A stored Responses answer's home is a decode endpoint: the scope narrows the decode leg only.
+        let unscoped = |rank: usize| serving(rank) && allowed(&membership.targets[rank]);
         let (ticket, pair) = crate::pairing::pick(
             &membership,
             state.policies.for_role(Role::Prefill, model_key),
             state.policies.for_role(Role::Decode, model_key),
-            &accept,
+            (&unscoped, &accept),
             route,
         )?;
         if let Some(prefill) = &pair.ticket {
