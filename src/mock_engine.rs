@@ -195,6 +195,7 @@ pub fn run(args: MockEngineArgs) -> anyhow::Result<ExitCode> {
                     .await
                     .with_context(|| format!("binding the bootstrap server at {at}"))?;
                 d.bootstrap_port = bootstrap.local_addr()?.port();
+                d.host = addr.ip().to_string();
                 Some(bootstrap)
             }
             _ => None,

@@ -31,12 +31,14 @@ async fn prefill_arg(c: &common::HttpClient, prefill: &Proc) -> String {
     format!("{}:{}", prefill.url, info["disaggregation_bootstrap_port"])
 }
 
-/// A gateway in front of `prefills` and `decodes`, with `extra` flags.
+/// A gateway in front of `prefills` and `decodes`, with `extra` flags (`--backend vllm` among them: the prefill
+/// servers are then named without a bootstrap port).
 async fn gateway(c: &common::HttpClient, prefills: &[&Proc], decodes: &[&Proc], extra: &[&str]) -> Proc {
+    let vllm = extra.contains(&"vllm");
     let mut owned = Vec::new();
     for p in prefills {
         owned.push("--prefill".to_string());
-        owned.push(prefill_arg(c, p).await);
+        owned.push(if vllm { p.url.clone() } else { prefill_arg(c, p).await });
     }
     for d in decodes {
         owned.push("--decode".to_string());
@@ -99,10 +101,21 @@ async fn all_settled(c: &common::HttpClient, gateway: &Proc, engines: &[&Proc]) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_hit_their_prefill_cache_while_decode_load_is_spread() {
+    agents(&[], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_hit_their_prefill_cache_through_vllms_two_steps() {
+    agents(&["--api", "vllm"], &["--backend", "vllm", "--dp-size", "2"]).await;
+}
+
+/// Four agents of four turns each through two prefill and two decode mocks with DP 2 (`api` their flags) behind a
+/// gateway (with `flags`).
+async fn agents(api: &[&str], flags: &[&str]) {
     let c = common::client();
-    let (p1, p2) = (mock("prefill", "2", &[]), mock("prefill", "2", &[]));
-    let (d1, d2) = (mock("decode", "2", &[]), mock("decode", "2", &[]));
-    let gw = gateway(&c, &[&p1, &p2], &[&d1, &d2], &[]).await;
+    let (p1, p2) = (mock("prefill", "2", api), mock("prefill", "2", api));
+    let (d1, d2) = (mock("decode", "2", api), mock("decode", "2", api));
+    let gw = gateway(&c, &[&p1, &p2], &[&d1, &d2], flags).await;
 
     let agents = (0..4u32).map(|agent| {
         let c = c.clone();
@@ -162,6 +175,14 @@ async fn agents_hit_their_prefill_cache_while_decode_load_is_spread() {
         prefills.len() > 1,
         "the agents share one prefill endpoint: {prefills:?}"
     );
+    // Every decode leg took its KV cache from its prefill leg.
+    let mut transfers = 0;
+    for d in [&d1, &d2] {
+        transfers += get(&c, &format!("{}/get_server_info", d.url)).await.json["kv_transfers"]
+            .as_u64()
+            .unwrap();
+    }
+    assert_eq!(transfers, 16);
     assert!(
         all_settled(&c, &gw, &[&p1, &p2, &d1, &d2]).await,
         "something was left in flight"
@@ -274,4 +295,33 @@ async fn the_mocks_refuse_what_sglang_refuses() {
         "room 9 goes to rank 9 % 2"
     );
     assert_eq!(prefill_reply.json["meta_info"]["completion_tokens"], 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_vllm_prefill_leaves_the_decode_server_to_prefill() {
+    let c = common::client();
+    let failing = mock("prefill", "1", &["--api", "vllm", "--error-rate", "1"]);
+    let decode = mock("decode", "1", &["--api", "vllm"]);
+    let gw = gateway(&c, &[&failing], &[&decode], &["--backend", "vllm"]).await;
+    for stream in [false, true] {
+        let body = json!({"prompt": prompt(5, 0), "max_tokens": 4, "stream": stream});
+        let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+    }
+    // The decode server prefilled the prompt itself: the second time it had it cached.
+    let body = json!({"prompt": prompt(5, 0), "max_tokens": 4});
+    let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+    assert!(cached_tokens(&reply).unwrap() > 2900, "{}", reply.text);
+    assert!(
+        all_settled(&c, &gw, &[&failing, &decode]).await,
+        "something was left in flight"
+    );
+    // With no prefill server at all (its connection refused, then marked down), the decode server serves alone.
+    let mut failing = failing;
+    failing.kill();
+    for _ in 0..3 {
+        let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+    }
+    assert_eq!(in_flight(&c, &gw.url).await, 0);
 }

@@ -45,6 +45,11 @@ pub enum MemberKind {
     Model,
     /// A disaggregation field ([`DISAGGREGATION_FIELDS`]).
     Disaggregation,
+    /// `stream`, `stream_options`: what vLLM's prefill leg gets its own of (not streamed).
+    Streaming,
+    /// `max_tokens`, `max_completion_tokens`, `max_output_tokens`, `min_tokens`: what vLLM's prefill leg gets its
+    /// own of (one token).
+    Length,
     /// Anything else.
     Other,
 }
@@ -57,6 +62,13 @@ impl MemberKind {
             MemberKind::Model
         } else if DISAGGREGATION_FIELDS.contains(&key) {
             MemberKind::Disaggregation
+        } else if matches!(key, "stream" | "stream_options") {
+            MemberKind::Streaming
+        } else if matches!(
+            key,
+            "max_tokens" | "max_completion_tokens" | "max_output_tokens" | "min_tokens"
+        ) {
+            MemberKind::Length
         } else {
             MemberKind::Other
         }

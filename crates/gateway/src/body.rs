@@ -31,7 +31,6 @@ use tokio::time::Sleep;
 
 use crate::access::Exchange;
 use crate::drain_deadline::{DeadlineWait, DrainDeadline};
-use crate::legs::PrefillWatch;
 use crate::registry::{Failure, Registry};
 use crate::response_homes::ResponseHomes;
 use crate::telemetry;
@@ -208,7 +207,16 @@ pub struct GuardedBody<B = Incoming> {
     cut: Option<DeadlineWait>,
     /// A disaggregated request's prefill leg, while it runs: its failure ends this answer, and this answer's end
     /// before its own aborts it.
-    prefill: Option<PrefillWatch>,
+    prefill: Option<Box<dyn Watch>>,
+}
+
+/// Another leg of the same request (a disaggregated request's prefill leg, [`crate::legs`]), watched while this
+/// answer is relayed.
+pub trait Watch: Send {
+    /// `Ready(None)` once the leg ended well, `Ready(Some(message))` if it failed.
+    fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>>;
+    /// Lets the leg run to its own end when the watch is dropped (otherwise dropping it ends the leg).
+    fn detach(&mut self);
 }
 
 impl<B> GuardedBody<B> {
@@ -239,7 +247,7 @@ impl<B> GuardedBody<B> {
     }
 
     /// Watches a disaggregated request's prefill leg while the answer is relayed ([`crate::legs`]).
-    pub fn watching(mut self, prefill: Option<PrefillWatch>) -> Self {
+    pub fn watching(mut self, prefill: Option<Box<dyn Watch>>) -> Self {
         self.prefill = prefill;
         self
     }

@@ -33,11 +33,11 @@ use http_body_util::BodyExt;
 use tokio::task::JoinHandle;
 
 use crate::access::Routing;
-use crate::body::{GatewayTicket, Timing};
-use crate::config::Role;
+use crate::body::{GatewayTicket, Timing, Watch};
+use crate::config::{Backend, Role};
 use crate::error::ApiError;
-use crate::proxy::{relay, upstream_request, Answer};
 use crate::registry::{Failure, Target};
+use crate::relay::{relay, upstream_request, Answer};
 use crate::routing::Routed;
 use crate::spans::{AttemptSpan, RequestSpan};
 use crate::state::AppState;
@@ -45,6 +45,9 @@ use crate::telemetry;
 
 /// The most of a prefill server's error answer kept, to hand to the client.
 const MAX_ERROR_BYTES: usize = 64 << 10;
+
+/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params` (one token's answer is a few KiB).
+const MAX_KEPT_BYTES: usize = 1 << 20;
 
 /// How a prefill leg failed.
 pub enum LegFailure {
@@ -83,7 +86,12 @@ struct PrefillLeg {
 }
 
 impl PrefillLeg {
-    async fn run(mut self, request: hyper::Request<crate::upstream::Chunks>) -> Result<(), LegFailure> {
+    /// Sends the leg and reads its answer to the end; returns the answer's first [`MAX_KEPT_BYTES`] when `keep`.
+    async fn run(
+        mut self,
+        request: hyper::Request<crate::upstream::Chunks>,
+        keep: bool,
+    ) -> Result<Option<Bytes>, LegFailure> {
         let label = self.target.label();
         let id = self.target.id;
         let failure = Failure::engine(self.ticket.pick.branch);
@@ -133,6 +141,7 @@ impl PrefillLeg {
         let mut scanner = UsageScanner::new(sse);
         let mut body = response.into_body();
         let mut first = true;
+        let mut kept = keep.then(Vec::new);
         loop {
             let frame = match tokio::time::timeout(self.timing.idle, body.frame()).await {
                 Err(_) => {
@@ -155,11 +164,15 @@ impl PrefillLeg {
             if let Some(usage) = scanner.feed(&data) {
                 self.report(usage);
             }
+            if let Some(kept) = kept.as_mut() {
+                let room = MAX_KEPT_BYTES.saturating_sub(kept.len());
+                kept.extend_from_slice(&data[..data.len().min(room)]);
+            }
         }
         if let Some(usage) = scanner.finish() {
             self.report(usage);
         }
-        Ok(())
+        Ok(kept.map(Bytes::from))
     }
 
     /// The prefill server's usage report: how much of the prompt it had cached teaches the prefill policy.
@@ -197,9 +210,8 @@ pub struct PrefillWatch {
     detached: bool,
 }
 
-impl PrefillWatch {
-    /// `Ready(None)` once the leg ended well, `Ready(Some(message))` if it failed.
-    pub fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>> {
+impl Watch for PrefillWatch {
+    fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>> {
         Pin::new(&mut self.handle).poll(cx).map(|joined| match joined {
             Ok(Ok(())) => None,
             Ok(Err(failure)) => Some(failure.message(&self.label)),
@@ -207,8 +219,7 @@ impl PrefillWatch {
         })
     }
 
-    /// Lets the leg run to its end when this is dropped.
-    pub fn detach(&mut self) {
+    fn detach(&mut self) {
         self.detached = true;
     }
 }
@@ -241,6 +252,18 @@ pub async fn forward(
     let membership = Arc::clone(&routed.membership);
     let mut refused: Vec<WorkerId> = Vec::new();
     let mut running: Option<PrefillWatch> = None;
+    if routed.prefill_target().is_some_and(|t| t.backend == Backend::Vllm) {
+        let step = PrefillFirst {
+            state,
+            headers,
+            path_and_query,
+            span: &span,
+            timing,
+        };
+        if let Some(answer) = step.run(&mut routed, &mut refused).await? {
+            return Ok(answer);
+        }
+    }
     loop {
         let attempt_no = refused.len() as u32 + 1;
         let Some(pair) = routed.pair.as_mut() else {
@@ -250,12 +273,8 @@ pub async fn forward(
         };
         let prefill_target = membership.targets[pair.rank].clone();
         let prefill_label = prefill_target.label();
-        if running.is_none() {
-            let Some(ticket) = pair.ticket.take() else {
-                return Err(ApiError::Unavailable(
-                    "a disaggregated request lost its prefill ticket".into(),
-                ));
-            };
+        // A prefill leg not sent yet (or picked again): sent now, beside the decode leg.
+        if let Some(ticket) = pair.ticket.take() {
             let attempt = span.attempt(&prefill_label, prefill_target.id.dp_rank, attempt_no);
             let request = upstream_request(&routed, &prefill_target, path_and_query, headers, attempt.traceparent())?;
             let leg = PrefillLeg {
@@ -266,7 +285,7 @@ pub async fn forward(
                 timing,
             };
             running = Some(PrefillWatch {
-                handle: tokio::spawn(leg.run(request)),
+                handle: tokio::spawn(async move { leg.run(request, false).await.map(|_| ()) }),
                 label: prefill_label.clone(),
                 detached: false,
             });
@@ -382,7 +401,7 @@ pub async fn forward(
                     attempt,
                     timing,
                     remember: routed.responses_api && status.is_success(),
-                    prefill: running,
+                    prefill: running.map(|watch| Box::new(watch) as Box<dyn Watch>),
                 };
                 let mut out = relay(state, answer, routed.ticket, target);
                 if let Ok(v) = axum::http::HeaderValue::from_str(&prefill_label) {
@@ -426,6 +445,107 @@ pub async fn forward(
             }
         }
     }
+}
+
+/// vLLM's way: the prefill leg first, to its end; its answer's `kv_transfer_params` then go to the decode leg
+/// ([`forward`] sends it). A prefill leg that fails on the server's side (5xx, a broken or late answer, no prefill
+/// endpoint left after refused connections) leaves the decode server to prefill the prompt itself, as llm-d does;
+/// its 4xx goes to the client as it came.
+struct PrefillFirst<'a> {
+    state: &'a Arc<AppState>,
+    headers: &'a HeaderMap,
+    path_and_query: &'a str,
+    span: &'a RequestSpan,
+    timing: Timing,
+}
+
+impl PrefillFirst<'_> {
+    /// Runs the prefill leg; `Some(answer)` is the client's answer already (a prefill 4xx).
+    async fn run(self, routed: &mut Routed, refused: &mut Vec<WorkerId>) -> Result<Option<Response>, ApiError> {
+        let membership = Arc::clone(&routed.membership);
+        loop {
+            let Some(pair) = routed.pair.as_mut() else {
+                return Ok(None);
+            };
+            let Some(ticket) = pair.ticket.take() else {
+                return Ok(None);
+            };
+            let target = membership.targets[pair.rank].clone();
+            let label = target.label();
+            let attempt = self.span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+            let request = upstream_request(
+                routed,
+                &target,
+                self.path_and_query,
+                self.headers,
+                attempt.traceparent(),
+            )?;
+            let leg = PrefillLeg {
+                ticket,
+                target: target.clone(),
+                state: Arc::clone(self.state),
+                attempt,
+                timing: self.timing,
+            };
+            let failure = match leg.run(request, true).await {
+                Ok(answer) => {
+                    let params = answer.as_deref().and_then(kv_transfer_params);
+                    if params.is_none() {
+                        // An answer that ended before its one token (an end-of-sequence first token) names no KV:
+                        // the decode server prefills.
+                        tracing::debug!(endpoint = %label, "the prefill answer has no kv_transfer_params");
+                    }
+                    if let Some(pair) = routed.pair.as_mut() {
+                        pair.kv_transfer_params = params;
+                    }
+                    return Ok(None);
+                }
+                Err(failure) => failure,
+            };
+            match failure {
+                LegFailure::Refused(ticket, message) if ticket.pick.branch != Branch::Override => {
+                    if refused.len() < self.state.config.retries as usize {
+                        metrics::counter!(telemetry::RETRIES).increment(1);
+                        refused.push(target.id.worker);
+                        let served = routed.served.clone();
+                        let accept = |rank: usize| {
+                            let t = &membership.targets[rank];
+                            t.role == Role::Prefill
+                                && served.as_deref().is_none_or(|m| t.serves(m))
+                                && !refused.contains(&t.id.worker)
+                        };
+                        if let Ok(ticket) = (*ticket).reroute(&membership.snapshot, &accept, crate::clock::now_us()) {
+                            crate::routing::count_decision(self.state, ticket.pick.branch);
+                            pair_again(routed, ticket);
+                            continue;
+                        }
+                    }
+                    decode_alone(&label, &message);
+                }
+                LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                    return Ok(Some(client_error(status, body)));
+                }
+                failure => decode_alone(&label, &failure.message(&label)),
+            }
+            return Ok(None);
+        }
+    }
+}
+
+/// A vLLM prefill leg failed on the server's side (counted in `dprouter_upstream_errors_total` by its leg): the
+/// decode server prefills the prompt itself.
+fn decode_alone(endpoint: &str, why: &str) {
+    tracing::warn!(endpoint, "{why}: the decode server prefills the prompt itself");
+}
+
+/// The `kv_transfer_params` of a vLLM answer, as JSON, when it has any.
+fn kv_transfer_params(answer: &[u8]) -> Option<Bytes> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<serde_json::Value>,
+    }
+    let params = serde_json::from_slice::<Answer>(answer).ok()?.kv_transfer_params?;
+    (!params.is_null()).then(|| Bytes::from(params.to_string()))
 }
 
 /// The response header that names a disaggregated request's prefill endpoint (beside `x-dprouter-endpoint`, the

@@ -51,6 +51,7 @@ pub mod parse_errors;
 pub mod policies;
 pub mod proxy;
 pub mod registry;
+pub mod relay;
 pub mod response_homes;
 pub mod responses;
 pub mod routing;

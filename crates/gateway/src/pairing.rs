@@ -17,20 +17,22 @@ use bytes::Bytes;
 use dprouter_core::{dispatch_among, Policy, RouteRequest};
 
 use crate::body::GatewayTicket;
-use crate::config::Role;
+use crate::config::{Backend, Role};
 use crate::error::ApiError;
 use crate::registry::{Membership, Target};
 
 /// The largest bootstrap room: SGLang's routers draw rooms in [0, 2^63 − 1].
 pub const MAX_ROOM: u64 = (1 << 63) - 1;
 
-/// A disaggregated request's prefill leg: its endpoint, the room that pairs it with the decode leg, and its
-/// ticket until the leg is sent ([`crate::legs`]).
+/// A disaggregated request's prefill leg: its endpoint, the room that pairs it with the decode leg (SGLang), its
+/// ticket until the leg is sent ([`crate::legs`]), and what the prefill answer said to tell the decode server
+/// (vLLM's `kv_transfer_params`, as JSON).
 pub struct Pair {
     /// The prefill endpoint's rank in the membership.
     pub rank: usize,
     pub room: u64,
     pub ticket: Option<GatewayTicket>,
+    pub kv_transfer_params: Option<Bytes>,
 }
 
 /// A bootstrap room whose residue modulo `dp_size` is `rank`, from a uniform 64-bit `draw`: uniform over such
@@ -83,6 +85,22 @@ pub fn bootstrap_members(prefill: &Target, room: u64, decode_leg: bool) -> Bytes
     Bytes::from(members)
 }
 
+/// What vLLM's prefill leg gets (after the client's body without its `stream`, `stream_options` and lengths), as
+/// vLLM's own disaggregation proxies send it: `kv_transfer_params` asking for a remote decode, one token (in each
+/// of the path's length fields), not streamed.
+pub fn vllm_prefill_members(path: &str) -> Bytes {
+    let mut members = String::from(
+        r#""kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null},"stream":false,"max_tokens":1"#,
+    );
+    let path = path.split('?').next().unwrap_or(path);
+    if path.ends_with("/chat/completions") {
+        members.push_str(r#","max_completion_tokens":1"#);
+    } else if path.ends_with("/responses") {
+        members.push_str(r#","max_output_tokens":1"#);
+    }
+    Bytes::from(members)
+}
+
 /// Whether a request for a model that `serving` says a rank serves is disaggregated: some decode worker serves
 /// it. Its legs then go to prefill and decode workers only; otherwise it goes to aggregated workers only.
 pub fn disaggregated(membership: &Membership, serving: &dyn Fn(usize) -> bool) -> bool {
@@ -109,14 +127,15 @@ pub fn check_pin(membership: &Membership, pin: Option<i64>, roles: &[Role]) -> R
 }
 
 /// Picks the pair for `route` among the endpoints `accept` lets through (the prefill leg's, the decode leg's):
-/// the decode leg's ticket, and the prefill leg. A client's pin applies to the leg whose role its rank has.
+/// the decode leg's ticket, and the prefill leg; none when no prefill endpoint is healthy and the decode server
+/// is vLLM's, which then prefills the prompt itself. A client's pin applies to the leg whose role its rank has.
 pub fn pick(
     membership: &Membership,
     prefill_policy: Arc<dyn Policy>,
     decode_policy: Arc<dyn Policy>,
     accept: (&dyn Fn(usize) -> bool, &dyn Fn(usize) -> bool),
     route: RouteRequest,
-) -> Result<(GatewayTicket, Pair), ApiError> {
+) -> Result<(GatewayTicket, Option<Pair>), ApiError> {
     check_pin(membership, route.rank_override, &[Role::Prefill, Role::Decode])?;
     let pinned_role = route
         .rank_override
@@ -141,16 +160,25 @@ pub fn pick(
             other => other.into(),
         }
     };
-    let prefill = dispatch_among(prefill_policy, &membership.snapshot, &prefill_accept, prefill_route)
-        .map_err(unavailable(Role::Prefill))?;
     let decode = dispatch_among(decode_policy, &membership.snapshot, &decode_accept, decode_route)
         .map_err(unavailable(Role::Decode))?;
+    let prefill = match dispatch_among(prefill_policy, &membership.snapshot, &prefill_accept, prefill_route) {
+        Ok(prefill) => prefill,
+        // A vLLM decode server prefills a prompt that comes without KV itself.
+        Err(dprouter_core::RouteError::NoHealthyEndpoint)
+            if membership.targets[decode.pick.rank].backend == Backend::Vllm =>
+        {
+            return Ok((decode, None));
+        }
+        Err(e) => return Err(unavailable(Role::Prefill)(e)),
+    };
     let pair = Pair {
         rank: prefill.pick.rank,
         room: room_of(membership, &prefill),
         ticket: Some(prefill),
+        kv_transfer_params: None,
     };
-    Ok((decode, pair))
+    Ok((decode, Some(pair)))
 }
 
 /// A fresh room for the prefill leg of `ticket`.

@@ -10,33 +10,22 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
+use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dprouter_core::{Branch, WorkerId};
 use http_body_util::BodyExt;
 
 use crate::access::Routing;
-use crate::body::{GatewayTicket, GuardedBody, Timing};
+use crate::body::Timing;
 use crate::error::ApiError;
-use crate::registry::{Failure, Target};
-use crate::routing::Routed;
-use crate::spans::{AttemptSpan, RequestSpan};
+use crate::registry::Failure;
+use crate::relay::{relay, upstream_request, Answer};
+use crate::spans::RequestSpan;
 use crate::state::AppState;
 use crate::telemetry;
-use crate::upstream::Chunks;
 
 pub use crate::routing::RANK_HEADER;
-
-/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here, but the
-/// trace context: [`crate::trace_context`]); the request id is always there (the client's or a generated one).
-/// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
-const FORWARDED_HEADERS: [HeaderName; 4] = [
-    header::AUTHORIZATION,
-    header::ACCEPT,
-    header::USER_AGENT,
-    HeaderName::from_static(crate::names::REQUEST_ID),
-];
 
 /// `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/embeddings`, `/generate`.
 pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> Response {
@@ -119,35 +108,6 @@ async fn discard(body: &mut Body) {
             _ => return,
         }
     }
-}
-
-/// The upstream request for `target`: the same path and query, the client's body without its rank override
-/// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
-/// The engine's parent span is `traceparent` when tracing is on (the attempt's span), the client's otherwise.
-pub(crate) fn upstream_request(
-    routed: &Routed,
-    target: &Target,
-    path_and_query: &str,
-    headers: &HeaderMap,
-    traceparent: Option<HeaderValue>,
-) -> Result<hyper::Request<Chunks>, ApiError> {
-    let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
-        .header(header::CONTENT_TYPE, "application/json");
-    for name in &FORWARDED_HEADERS {
-        if let Some(v) = headers.get(name) {
-            builder = builder.header(name, v);
-        }
-    }
-    for (name, value) in crate::trace_context::propagated(headers, traceparent) {
-        builder = builder.header(name, value);
-    }
-    let (pieces, rank_header) = routed.upstream_body(target, path_and_query);
-    if let Some((name, rank)) = rank_header {
-        builder = builder.header(name, rank);
-    }
-    builder
-        .body(Chunks::new(pieces))
-        .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
 }
 
 /// The path and query the worker gets: the client's, with `/v1` put in front of the OpenAI paths a client sent
@@ -310,89 +270,4 @@ pub fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Durat
             })?,
     };
     Ok(Duration::from_millis(asked.min(configured)))
-}
-
-/// An engine's answer, and what the gateway knows of how it came.
-pub(crate) struct Answer {
-    pub response: hyper::Response<hyper::body::Incoming>,
-    pub routing: Routing,
-    pub attempt: AttemptSpan,
-    pub timing: Timing,
-    /// Remember the endpoint of the Responses answer's id.
-    pub remember: bool,
-    /// A disaggregated request's prefill leg, while it runs.
-    pub prefill: Option<crate::legs::PrefillWatch>,
-}
-
-/// The client's response: the upstream status and headers, and the upstream body behind the load guard.
-pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket, target: &Target) -> Response {
-    let Answer {
-        response,
-        routing,
-        attempt,
-        timing,
-        remember,
-        prefill,
-    } = answer;
-    let (parts, incoming) = response.into_parts();
-    let sse = parts
-        .headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    let exchange = crate::access::Exchange::new();
-    exchange.routed(routing);
-    exchange.answered_by(attempt);
-    let body = GuardedBody::new(
-        incoming,
-        ticket,
-        Arc::clone(&state.registry),
-        sse,
-        timing,
-        exchange.clone(),
-    );
-    let body = body.cut_at(&state.drain_deadline).watching(prefill);
-    let body = if remember {
-        body.remembering_the_response(Arc::clone(&state.responses))
-    } else {
-        body
-    };
-    let mut out = Response::new(Body::new(body));
-    out.extensions_mut().insert(exchange);
-    *out.status_mut() = parts.status;
-    let named_by_connection: Vec<String> = parts
-        .headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|n| n.trim().to_ascii_lowercase())
-        .collect();
-    for (name, value) in &parts.headers {
-        if !is_hop_by_hop(name) && !named_by_connection.iter().any(|n| n == name.as_str()) {
-            out.headers_mut().append(name.clone(), value.clone());
-        }
-    }
-    if let Ok(v) = HeaderValue::from_str(&target.label()) {
-        out.headers_mut().insert("x-dprouter-endpoint", v);
-    }
-    out
-}
-
-/// Response headers the client never gets from a worker: hop-by-hop ones (RFC 9110 §7.6.1; the length is the
-/// gateway's own framing) and cookies, which a worker has no business setting on the gateway's origin.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
-    matches!(
-        name.as_str(),
-        "set-cookie"
-            | "set-cookie2"
-            | "connection"
-            | "keep-alive"
-            | "proxy-connection"
-            | "transfer-encoding"
-            | "te"
-            | "trailer"
-            | "upgrade"
-            | "content-length"
-    )
 }

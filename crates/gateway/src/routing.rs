@@ -62,12 +62,30 @@ impl Routed {
         Some(&self.membership.targets[pair.rank])
     }
 
-    /// The members `target` gets to pair its leg with the other (SGLang's bootstrap fields), for a disaggregated
-    /// request.
-    fn pairing_members(&self, target: &Target) -> Option<Bytes> {
+    /// The members `target` gets to pair its leg with the other, for a disaggregated request: SGLang's bootstrap
+    /// fields; vLLM's prefill leg's `kv_transfer_params` asking for a remote decode (and one token, not streamed),
+    /// and its decode leg's the prefill answer's.
+    fn pairing_members(&self, target: &Target, path: &str) -> Option<Bytes> {
         let (pair, prefill) = (self.pair.as_ref()?, self.prefill_target()?);
-        (target.backend == Backend::Sglang)
-            .then(|| crate::pairing::bootstrap_members(prefill, pair.room, target.role == Role::Decode))
+        match (target.backend, target.role) {
+            (Backend::Sglang, role) => Some(crate::pairing::bootstrap_members(
+                prefill,
+                pair.room,
+                role == Role::Decode,
+            )),
+            (Backend::Vllm, Role::Prefill) => Some(crate::pairing::vllm_prefill_members(path)),
+            (Backend::Vllm, _) => pair.kv_transfer_params.as_ref().map(|params| {
+                let mut member = b"\"kv_transfer_params\":".to_vec();
+                member.extend_from_slice(params);
+                Bytes::from(member)
+            }),
+            (Backend::Openai, _) => None,
+        }
+    }
+
+    /// Whether `target` gets vLLM's prefill leg (its own `stream` and lengths instead of the client's).
+    fn vllm_prefill_leg(&self, target: &Target) -> bool {
+        self.pair.is_some() && target.backend == Backend::Vllm && target.role == Role::Prefill
     }
 
     /// The body `target` gets, as pieces of the client's bytes, and the rank header it needs (vLLM's, or
@@ -89,11 +107,12 @@ impl Routed {
                 rank_member
                     .into_iter()
                     .chain(self.model_member.clone())
-                    .chain(self.pairing_members(target)),
+                    .chain(self.pairing_members(target, path)),
                 |kind| match kind {
                     MemberKind::Model => self.model_member.is_some(),
                     // The gateway pairs the legs: the client's pairing fields would contradict its own.
-                    MemberKind::Disaggregation => self.pair.is_some(),
+                    MemberKind::Disaggregation => self.pair.is_some() || target.role != Role::Aggregated,
+                    MemberKind::Streaming | MemberKind::Length => self.vllm_prefill_leg(target),
                     _ => false,
                 },
                 |b: &Bytes, range| b.slice(range),
@@ -196,10 +215,10 @@ pub async fn route(
             (&unscoped, &accept),
             route,
         )?;
-        if let Some(prefill) = &pair.ticket {
+        if let Some(prefill) = pair.as_ref().and_then(|p| p.ticket.as_ref()) {
             count_decision(state, prefill.pick.branch);
         }
-        (ticket, Some(Box::new(pair)))
+        (ticket, pair.map(Box::new))
     } else {
         crate::pairing::check_pin(&membership, route.rank_override, &[Role::Aggregated])?;
         let aggregated = |rank: usize| membership.targets[rank].role == Role::Aggregated && accept(rank);

@@ -356,10 +356,9 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
             w.url
         )));
     }
-    if w.role != Role::Aggregated && w.backend != Backend::Sglang {
+    if w.role != Role::Aggregated && w.backend == Backend::Openai {
         return Err(ConfigError::Invalid(format!(
-            "worker `{}`: role {} is served for backend sglang (vLLM's two-step flow is not built yet: \
-             docs/disaggregation.md)",
+            "worker `{}`: role {} needs an engine that disaggregates (backend sglang or vllm)",
             w.url,
             w.role.as_str()
         )));

@@ -110,6 +110,7 @@ async fn server_info(State(s): State<AppState>) -> Json<Value> {
         "disaggregation_mode": c.disaggregation.as_ref().map_or("null", |d| d.mode.as_str()),
         "disaggregation_bootstrap_port": c.disaggregation.as_ref().map(|d| d.bootstrap_port),
         "open_bootstrap_rooms": s.engine.rooms().len(),
+        "kv_transfers": s.engine.transfers(),
     }))
 }
 
@@ -174,6 +175,8 @@ struct Job {
     bootstrap_host: Option<String>,
     bootstrap_port: Option<u16>,
     prefill_rank: Option<u32>,
+    /// vLLM's `kv_transfer_params`.
+    kv_transfer: Option<Value>,
 }
 
 fn bad(message: impl Into<String>) -> Response {
@@ -213,6 +216,8 @@ struct Members<'a> {
     bootstrap_port: Option<&'a RawValue>,
     #[serde(borrow)]
     disagg_prefill_dp_rank: Option<&'a RawValue>,
+    #[serde(borrow)]
+    kv_transfer_params: Option<&'a RawValue>,
 }
 
 /// A member's value, when it is there and not `null`.
@@ -327,6 +332,7 @@ fn parse_job(
                     .ok_or("bootstrap_port must be a port number")
             })
             .transpose()?,
+        kv_transfer: present(members.kv_transfer_params),
         prefill_rank: present(members.disagg_prefill_dp_rank)
             .map(|v| {
                 v.as_u64()
@@ -485,6 +491,8 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         .iter()
         .fold(s.engine.config().seed, |h, &t| mix(h ^ u64::from(t)));
     let rank = admission.rank;
+    // vLLM's prefill leg names its room in the answer's `kv_transfer_params`.
+    let mut kv_transfer_params = None;
     let leg = match leg {
         PendingLeg::Whole => Leg::Whole,
         PendingLeg::Decode(source) => Leg::Decode(source),
@@ -493,6 +501,21 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
             Ok(guard) => Leg::Prefill(guard),
             Err(message) => return bad(message),
         },
+        PendingLeg::Hand => {
+            let room = mix(s.id_prefix ^ mix(admission.request)) & crate::disagg::MAX_ROOM;
+            let guard = match s.engine.rooms().open(room, admission.rank as u32) {
+                Ok(guard) => guard,
+                Err(message) => return bad(message),
+            };
+            let d = s.engine.config().disaggregation.as_ref();
+            kv_transfer_params = Some(json!({
+                "do_remote_prefill": true, "do_remote_decode": false,
+                "remote_engine_id": format!("{:016x}", s.id_prefix), "remote_block_ids": [admission.rank],
+                "remote_host": d.map(|d| d.host.clone()), "remote_port": d.map(|d| d.bootstrap_port),
+                "remote_request_id": room.to_string(),
+            }));
+            Leg::Hand(guard)
+        }
     };
     tokio::spawn(Arc::clone(&s.engine).run(admission, job.tokens, max_new_tokens, seed, job.stream, leg, tx));
     let render = Renderer {
@@ -508,6 +531,7 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         cached_tokens: 0,
         completion_tokens: 0,
         sequence: 0,
+        kv_transfer_params,
         keep: job.keep.map(|prompt| Keep {
             store: Arc::clone(&s.responses),
             prompt,
@@ -529,6 +553,8 @@ enum PendingLeg {
     Whole,
     Prefill(u64),
     Decode(Source),
+    /// vLLM's prefill leg: its room is drawn once it is admitted.
+    Hand,
 }
 
 /// The leg a disaggregated server runs of `job`, the rank it goes to (`None`: the engine's round robin) and the
@@ -537,6 +563,9 @@ fn disaggregated_leg(s: &AppState, job: &Job) -> Result<(PendingLeg, Option<i64>
     let Some(d) = &s.engine.config().disaggregation else {
         return Ok((PendingLeg::Whole, job.rank_override, job.max_new_tokens));
     };
+    if s.engine.config().api == Api::Vllm {
+        return vllm_leg(d, job).map(|leg| (leg, job.rank_override, job.max_new_tokens));
+    }
     let room = job
         .room
         .ok_or("Invalid request: Disaggregated request received without bootstrap room id")?;
@@ -565,5 +594,41 @@ fn disaggregated_leg(s: &AppState, job: &Job) -> Result<(PendingLeg, Option<i64>
             };
             Ok((PendingLeg::Decode(source), job.rank_override, job.max_new_tokens))
         }
+    }
+}
+
+/// The leg a vLLM server in a PD role runs of `job`, by its `kv_transfer_params`: none, a whole request.
+fn vllm_leg(d: &crate::disagg::Disaggregation, job: &Job) -> Result<PendingLeg, String> {
+    let Some(params) = &job.kv_transfer else {
+        return Ok(PendingLeg::Whole);
+    };
+    let flag = |name: &str| params.get(name).and_then(Value::as_bool) == Some(true);
+    match d.mode {
+        Mode::Prefill if flag("do_remote_decode") => Ok(PendingLeg::Hand),
+        Mode::Decode if flag("do_remote_prefill") => {
+            let host = params.get("remote_host").and_then(Value::as_str);
+            let port = params
+                .get("remote_port")
+                .and_then(Value::as_u64)
+                .and_then(|p| u16::try_from(p).ok());
+            let room = params
+                .get("remote_request_id")
+                .and_then(Value::as_str)
+                .and_then(|r| r.parse::<u64>().ok());
+            match (host, port, room) {
+                (Some(host), Some(port), Some(room)) => Ok(PendingLeg::Decode(Source {
+                    host: host.to_string(),
+                    port,
+                    room,
+                    rank: None,
+                })),
+                _ => Err(
+                    "kv_transfer_params with do_remote_prefill need remote_host, remote_port and \
+                          remote_request_id"
+                        .into(),
+                ),
+            }
+        }
+        _ => Ok(PendingLeg::Whole),
     }
 }

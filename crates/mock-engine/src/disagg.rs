@@ -14,6 +14,12 @@
 //! had cached. A fetch that fails (nothing at that address, a rank that does not hold the room, no room within the
 //! bootstrap timeout) fails the request with a 500 (an error event once a stream has begun).
 //!
+//! Under `--api vllm` the mock follows vLLM's KV connectors' flow instead, in sequence: a prefill mock given
+//! `kv_transfer_params` with `do_remote_decode` prefills, answers at once with `kv_transfer_params` that name its
+//! bootstrap server and a room of its own (`remote_host`, `remote_port`, `remote_request_id`), and holds the KV
+//! cache until it is fetched or the timeout passes; a decode mock given `do_remote_prefill` fetches it from there,
+//! and one given no `kv_transfer_params` prefills the prompt itself. A request without them is served whole.
+//!
 //! The bootstrap protocol is the mock's own (SGLang's moves KV through Mooncake or NIXL, which the mock has no
 //! use for); what the gateway must get right, the fields and the ranks, is checked the way SGLang checks it.
 
@@ -45,6 +51,9 @@ impl Mode {
     }
 }
 
+/// The largest bootstrap room (SGLang's routers draw them in [0, 2^63 − 1]).
+pub const MAX_ROOM: u64 = (1 << 63) - 1;
+
 /// SGLang's default `--disaggregation-bootstrap-port`.
 pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
@@ -52,6 +61,8 @@ pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 #[derive(Debug, Clone)]
 pub struct Disaggregation {
     pub mode: Mode,
+    /// The host its bootstrap server is reached at (vLLM's `kv_transfer_params` name it).
+    pub host: String,
     /// A prefill mock's bootstrap server's port; a decode mock's for requests whose `bootstrap_port` is `null`.
     pub bootstrap_port: u16,
     /// How long a prefill mock holds a room's KV cache for a decode server, and a decode mock waits for it
@@ -65,6 +76,7 @@ impl Disaggregation {
     pub fn new(mode: Mode) -> Self {
         Self {
             mode,
+            host: "127.0.0.1".into(),
             bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
             timeout: Duration::from_secs(300),
             bootstrap_hangs: false,

@@ -137,6 +137,9 @@ pub enum Leg {
     Prefill(RoomGuard),
     /// Fetch the KV cache from a prefill server, then decode.
     Decode(Source),
+    /// vLLM's prefill: prefill, answer at once, and hold the room's KV cache (past the answer) until a decode
+    /// server takes it or the timeout passes.
+    Hand(RoomGuard),
 }
 
 /// Per-rank load as `/get_load` reports it.
@@ -173,6 +176,8 @@ pub struct Engine {
     pub kv_endpoints: std::sync::OnceLock<Vec<(String, Option<String>)>>,
     /// A prefill server's rooms ([`crate::disagg`]).
     rooms: Arc<Rooms>,
+    /// KV caches a decode server fetched from its prefill servers.
+    transfers: AtomicU64,
 }
 
 /// A rank's cache, locked; its new events go to the rank's stream when the lock is released.
@@ -274,8 +279,14 @@ impl Engine {
             event_streams: Mutex::new(streams),
             kv_endpoints: std::sync::OnceLock::new(),
             rooms: Arc::default(),
+            transfers: AtomicU64::new(0),
             config,
         })
+    }
+
+    /// KV caches this decode server fetched from prefill servers.
+    pub fn transfers(&self) -> u64 {
+        self.transfers.load(Relaxed)
     }
 
     /// A prefill server's rooms: those being prefilled and those waiting for their decode server.
@@ -413,6 +424,7 @@ impl Engine {
                         return;
                     }
                 };
+                self.transfers.fetch_add(1, Relaxed);
                 let transfer = self.scaled(self.config.cost.transfer(kv.prompt_tokens));
                 if !transfer.is_zero() && !wait(tokio::time::sleep(transfer), &tx).await {
                     return;
@@ -454,6 +466,19 @@ impl Engine {
             if !transfer.is_zero() && !wait(tokio::time::sleep(transfer), &tx).await {
                 return;
             }
+        }
+        if let Leg::Hand(room) = leg {
+            let kv = Kv {
+                rank: rank as u32,
+                prompt_tokens: tokens.len(),
+                cached_tokens: cached,
+            };
+            let fetched = room.ready(kv);
+            let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(timeout, fetched).await;
+                drop(room);
+            });
         }
         if break_after == Some(0) {
             let _ = tx.send(Emit::Drop).await;

@@ -50,6 +50,8 @@ pub(crate) struct Renderer {
     pub(crate) sequence: u64,
     /// Responses: where the answer is stored once it ends.
     pub(crate) keep: Option<Keep>,
+    /// A vLLM prefill leg's `kv_transfer_params` for its decode server, in the whole answer.
+    pub(crate) kv_transfer_params: Option<Value>,
 }
 
 impl Renderer {
@@ -172,7 +174,11 @@ pub(crate) async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<
         if let Emit::Done { .. } = emit {
             render.absorb(&emit);
             render.keep_response();
-            return Json(render.whole()).into_response();
+            let mut whole = render.whole();
+            if let (Some(params), Some(object)) = (render.kv_transfer_params.take(), whole.as_object_mut()) {
+                object.insert("kv_transfer_params".into(), params);
+            }
+            return Json(whole).into_response();
         }
         render.absorb(&emit);
     }
@@ -183,12 +189,12 @@ pub(crate) async fn whole_response(mut render: Renderer, mut rx: mpsc::Receiver<
 }
 
 enum StreamState {
-    Running(Renderer, mpsc::Receiver<Emit>, bool),
+    Running(Box<Renderer>, mpsc::Receiver<Emit>, bool),
     Ended,
 }
 
 pub(crate) fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Response {
-    let events = stream::unfold(StreamState::Running(render, rx, true), |state| async move {
+    let events = stream::unfold(StreamState::Running(Box::new(render), rx, true), |state| async move {
         let StreamState::Running(mut render, mut rx, first) = state else {
             return None;
         };
