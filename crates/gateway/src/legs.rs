@@ -1,6 +1,8 @@
-//! A disaggregated request's two legs ([`crate::pairing`]), SGLang's way: the prefill and the decode server get
+//! A disaggregated request's two legs ([`crate::pairing`]). SGLang's way: the prefill and the decode server get
 //! the same body at once, each with the bootstrap room that pairs them, and the client gets the decode server's
-//! answer.
+//! answer. vLLM's way ([`PrefillFirst`]): the prefill leg first, to its end, then the decode leg with the
+//! `kv_transfer_params` of the prefill answer; a prefill leg that fails on the server's side leaves the decode
+//! server to prefill the prompt itself.
 //!
 //! The prefill leg runs in a task of its own ([`PrefillLeg`]) holding the prefill ticket: its first byte releases
 //! the prefill endpoint's queued-prefill share, its usage report (the prompt tokens the prefill server had cached)

@@ -10,6 +10,10 @@
 //! prefill server's default DP dispatch (`follow_bootstrap_room`) puts a request on rank `room % dp_size` and fails
 //! one whose `routed_dp_rank` disagrees, so the room is drawn at random in [0, 2^63 − 1] among those whose residue
 //! is the chosen prefill rank ([`room_for`]), and `routed_dp_rank` says the same.
+//!
+//! Under vLLM the legs are paired by `kv_transfer_params` instead ([`vllm_prefill_members`], [`crate::legs`]), and
+//! each leg's rank goes in its own `X-data-parallel-rank`. A vLLM decode server prefills a prompt that comes
+//! without KV, so with no healthy prefill endpoint its request goes to the decode server alone.
 
 use std::sync::Arc;
 
