@@ -39,7 +39,7 @@ use crate::body::{GatewayTicket, Timing, Watch};
 use crate::config::{Backend, Role};
 use crate::error::ApiError;
 use crate::registry::{Failure, Target};
-use crate::relay::{relay, upstream_request, Answer};
+use crate::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
 use crate::routing::Routed;
 use crate::spans::{AttemptSpan, RequestSpan};
 use crate::state::AppState;
@@ -362,29 +362,11 @@ pub async fn forward(
                 }
             }
             Outcome::Decode(Err(())) => {
-                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout")
-                    .increment(1);
-                attempt.failed("no response head in time");
-                state
-                    .registry
-                    .record_failure(target.id, Failure::engine(branch), Instant::now());
-                return Err(ApiError::UpstreamTimeout {
-                    endpoint: label,
-                    after_ms: first_byte_timeout.as_millis() as u64,
-                });
+                return Err(no_head(state, target, branch, &attempt, first_byte_timeout));
             }
             Outcome::Decode(Ok(Ok(response))) => {
                 let status = response.status();
-                if status.is_server_error() {
-                    metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "status_5xx")
-                        .increment(1);
-                    state
-                        .registry
-                        .record_failure(target.id, Failure::engine(branch), Instant::now());
-                } else if status.is_success() {
-                    target.state.record_success();
-                }
-                attempt.answered(status.as_u16());
+                answered(state, target, branch, &attempt, status.as_u16());
                 if !status.is_success() {
                     // No decode server will fetch the room: the prefill leg ends now.
                     running = None;
@@ -412,26 +394,8 @@ pub async fn forward(
                 return Ok(out);
             }
             Outcome::Decode(Ok(Err(err))) => {
-                let message = crate::upstream::error_chain(&err);
-                let kind = if err.is_connect() { "connect" } else { "server" };
-                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
-                attempt.failed(&message);
-                let failure = if err.is_connect() {
-                    Failure::Connect
-                } else {
-                    Failure::Ambiguous
-                };
-                state.registry.record_failure(target.id, failure, Instant::now());
-                let retry =
-                    err.is_connect() && branch != Branch::Override && refused.len() < state.config.retries as usize;
-                if !retry {
-                    return Err(ApiError::Upstream {
-                        endpoint: label,
-                        message,
-                    });
-                }
+                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
                 // The prefill leg goes on: the new decode endpoint fetches the same room.
-                metrics::counter!(telemetry::RETRIES).increment(1);
                 refused.push(target.id.worker);
                 let served = routed.served.clone();
                 let accept = |rank: usize| {

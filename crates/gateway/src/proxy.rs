@@ -13,17 +13,15 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::{Branch, WorkerId};
+use dprouter_core::WorkerId;
 use http_body_util::BodyExt;
 
 use crate::access::Routing;
 use crate::body::Timing;
 use crate::error::ApiError;
-use crate::registry::Failure;
-use crate::relay::{relay, upstream_request, Answer};
+use crate::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
 use crate::spans::RequestSpan;
 use crate::state::AppState;
-use crate::telemetry;
 
 pub use crate::routing::RANK_HEADER;
 
@@ -164,32 +162,12 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         };
         let sent = tokio::time::timeout_at(timing.first_byte, state.upstream.send(upstream)).await;
         let Ok(sent) = sent else {
-            // The engine took the request and said nothing in time: it may still be working on it, so no retry.
-            metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout")
-                .increment(1);
-            tracing::warn!(endpoint = %label, "no response head within {first_byte_timeout:?}");
-            attempt.failed("no response head in time");
-            state
-                .registry
-                .record_failure(target.id, Failure::engine(branch), Instant::now());
-            return Err(ApiError::UpstreamTimeout {
-                endpoint: label,
-                after_ms: first_byte_timeout.as_millis() as u64,
-            });
+            return Err(no_head(state, target, branch, &attempt, first_byte_timeout));
         };
         match sent {
             Ok(response) => {
                 let status = response.status();
-                if status.is_server_error() {
-                    metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "status_5xx")
-                        .increment(1);
-                    state
-                        .registry
-                        .record_failure(target.id, Failure::engine(branch), Instant::now());
-                } else if status.is_success() {
-                    target.state.record_success();
-                }
-                attempt.answered(status.as_u16());
+                answered(state, target, branch, &attempt, status.as_u16());
                 let remember = routed.responses_api && status.is_success();
                 let routing = Routing {
                     endpoint: label,
@@ -210,29 +188,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 return Ok(relay(state, answer, routed.ticket, target));
             }
             Err(err) => {
-                let message = crate::upstream::error_chain(&err);
-                let kind = if err.is_connect() { "connect" } else { "server" };
-                metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
-                tracing::warn!(endpoint = %label, error = %message, "upstream request failed");
-                attempt.failed(&message);
-                // A connection that broke after the request was sent may be this request's own fault (an engine
-                // refusing its body by closing the connection): it asks for a probe but does not count.
-                let failure = if err.is_connect() {
-                    Failure::Connect
-                } else {
-                    Failure::Ambiguous
-                };
-                state.registry.record_failure(target.id, failure, Instant::now());
-                // Only a connection that was never made is safe to retry, and never a pinned request.
-                let retry =
-                    err.is_connect() && branch != Branch::Override && refused.len() < state.config.retries as usize;
-                if !retry {
-                    return Err(ApiError::Upstream {
-                        endpoint: label,
-                        message,
-                    });
-                }
-                metrics::counter!(telemetry::RETRIES).increment(1);
+                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
                 // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
                 // policy forgets that the prompt went there.
                 refused.push(target.id.worker);

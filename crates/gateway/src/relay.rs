@@ -8,14 +8,19 @@ use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::Response;
 
+use std::time::{Duration, Instant};
+
+use dprouter_core::Branch;
+
 use crate::access::Routing;
 use crate::body::{GatewayTicket, GuardedBody, Timing, Watch};
 use crate::error::ApiError;
-use crate::registry::Target;
+use crate::registry::{Failure, Target};
 use crate::routing::Routed;
 use crate::spans::AttemptSpan;
 use crate::state::AppState;
-use crate::upstream::Chunks;
+use crate::telemetry;
+use crate::upstream::{Chunks, UpstreamError};
 
 /// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here, but the
 /// trace context: [`crate::trace_context`]); the request id is always there (the client's or a generated one).
@@ -139,4 +144,76 @@ fn is_hop_by_hop(name: &HeaderName) -> bool {
             | "upgrade"
             | "content-length"
     )
+}
+
+/// The engine at `target` sent no response head within `after`: counted against it. It may still be working on the
+/// request, so there is no retry; the client's error.
+pub(crate) fn no_head(
+    state: &AppState,
+    target: &Target,
+    branch: Branch,
+    attempt: &AttemptSpan,
+    after: Duration,
+) -> ApiError {
+    let label = target.label();
+    metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => "timeout").increment(1);
+    tracing::warn!(endpoint = %label, "no response head within {after:?}");
+    attempt.failed("no response head in time");
+    state
+        .registry
+        .record_failure(target.id, Failure::engine(branch), Instant::now());
+    ApiError::UpstreamTimeout {
+        endpoint: label,
+        after_ms: after.as_millis() as u64,
+    }
+}
+
+/// The engine at `target` answered `status`: a 5xx counts against it, a success for it.
+pub(crate) fn answered(state: &AppState, target: &Target, branch: Branch, attempt: &AttemptSpan, status: u16) {
+    if (500..600).contains(&status) {
+        metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => target.label(), "kind" => "status_5xx")
+            .increment(1);
+        state
+            .registry
+            .record_failure(target.id, Failure::engine(branch), Instant::now());
+    } else if (200..300).contains(&status) {
+        target.state.record_success();
+    }
+    attempt.answered(status);
+}
+
+/// The exchange with `target` failed before an answer: counted and recorded. `Ok(())` when it may be retried
+/// elsewhere (a connection never made, a request not pinned, fewer than `retries` tries so far); otherwise the
+/// client's error.
+pub(crate) fn exchange_failed(
+    state: &AppState,
+    target: &Target,
+    branch: Branch,
+    attempt: &AttemptSpan,
+    err: &UpstreamError,
+    tries: usize,
+) -> Result<(), ApiError> {
+    let label = target.label();
+    let message = crate::upstream::error_chain(err);
+    let kind = if err.is_connect() { "connect" } else { "server" };
+    metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label.clone(), "kind" => kind).increment(1);
+    tracing::warn!(endpoint = %label, error = %message, "upstream request failed");
+    attempt.failed(&message);
+    // A connection that broke after the request was sent may be this request's own fault (an engine refusing its
+    // body by closing the connection): it asks for a probe but does not count.
+    let failure = if err.is_connect() {
+        Failure::Connect
+    } else {
+        Failure::Ambiguous
+    };
+    state.registry.record_failure(target.id, failure, Instant::now());
+    // Only a connection that was never made is safe to retry, and never a pinned request.
+    if err.is_connect() && branch != Branch::Override && tries < state.config.retries as usize {
+        metrics::counter!(telemetry::RETRIES).increment(1);
+        return Ok(());
+    }
+    Err(ApiError::Upstream {
+        endpoint: label,
+        message,
+    })
 }

@@ -410,9 +410,10 @@ impl Engine {
         if !delay.is_zero() && !wait(tokio::time::sleep(delay), &tx).await {
             return;
         }
+        // How long a room's KV cache waits for its decode server, and a decode server for it.
+        let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
         let cached = match &leg {
             Leg::Decode(source) => {
-                let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
                 let fetched = tokio::select! {
                     fetched = crate::disagg::fetch_kv(source, timeout) => fetched,
                     _ = tx.closed() => return,
@@ -441,14 +442,13 @@ impl Engine {
                 None => return,
             },
         };
+        let kv = Kv {
+            rank: rank as u32,
+            prompt_tokens: tokens.len(),
+            cached_tokens: cached,
+        };
         if let Leg::Prefill(room) = &leg {
-            let kv = Kv {
-                rank: rank as u32,
-                prompt_tokens: tokens.len(),
-                cached_tokens: cached,
-            };
             let fetched = room.ready(kv);
-            let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
             let taken = tokio::select! {
                 taken = tokio::time::timeout(timeout, fetched) => taken,
                 _ = tx.closed() => return,
@@ -468,13 +468,7 @@ impl Engine {
             }
         }
         if let Leg::Hand(room) = leg {
-            let kv = Kv {
-                rank: rank as u32,
-                prompt_tokens: tokens.len(),
-                cached_tokens: cached,
-            };
             let fetched = room.ready(kv);
-            let timeout = self.config.disaggregation.as_ref().map_or(Duration::MAX, |d| d.timeout);
             tokio::spawn(async move {
                 let _ = tokio::time::timeout(timeout, fetched).await;
                 drop(room);
