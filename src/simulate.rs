@@ -17,7 +17,8 @@ use dprouter_bench::plot::{self, PolicyPlot};
 use dprouter_core::PolicyConfig;
 use dprouter_sim::report::table;
 use dprouter_sim::{
-    simulate_replicas, CostModel, RankRemoval, RemovalMode, SimConfig, SimOutcome, Summary, WorkloadSpec,
+    simulate_disaggregated, simulate_replicas, CostModel, DecodePool, RankRemoval, RemovalMode, SimConfig, SimOutcome,
+    Summary, WorkloadSpec,
 };
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::json;
@@ -30,9 +31,17 @@ pub struct SimulateArgs {
     /// agent[:k=v,...], groups[:k=v,...] or trace:PATH[,speedup=X,limit=N] (see docs/simulator.md).
     #[arg(long, value_parser = parse_workload)]
     workload: WorkloadSpec,
-    /// Number of data-parallel ranks.
+    /// Number of data-parallel ranks (with --decode-ranks, the prefill ranks).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     dp_size: u32,
+    /// Prefill/decode disaggregation: this many decode ranks on servers of their own; each --policy then routes the
+    /// prefill legs, and --decode-policy the decode legs (docs/disaggregation.md).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    decode_ranks: Option<u32>,
+    /// With --decode-ranks: the decode legs' policy, one for every --policy or one each, in the same order
+    /// (default least_loaded).
+    #[arg(long, value_parser = parse_policies, requires = "decode_ranks")]
+    decode_policy: Vec<Vec<String>>,
     /// Policies to compare, separated by `;` or repeated (default: all but least_loaded, the decode servers' policy
     /// under disaggregation); each `NAME` or `NAME:key=value,...`.
     /// A plain comma-separated list of names also works.
@@ -205,20 +214,41 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         // `least_loaded` picks decode servers, which keep no prefix worth routing on: name it to compare it.
         PolicyConfig::NAMES
             .iter()
-            .filter(|&&n| n != "least_loaded")
+            .filter(|&&n| n != "least_loaded" && n != "random")
             .map(|n| (*n).to_owned())
             .collect()
     } else {
         args.policy.concat()
     };
+    let decode_specs: Vec<String> = match args.decode_policy.concat() {
+        none if none.is_empty() => vec!["least_loaded".to_owned(); specs.len()],
+        one if one.len() == 1 => vec![one[0].clone(); specs.len()],
+        each if each.len() == specs.len() => each,
+        other => anyhow::bail!(
+            "--decode-policy names {} policies for {} --policy: give one for all, or one each",
+            other.len(),
+            specs.len()
+        ),
+    };
+    anyhow::ensure!(
+        args.decode_ranks.is_none() || args.kv_events_delay_ms.is_none(),
+        "--kv-events-delay-ms is not simulated with --decode-ranks yet"
+    );
     check_plot_path(args.plot.as_deref())?;
     let mut rows = Vec::new();
     let mut outcomes = Vec::new();
     // Each policy as given; with --kv-events-delay-ms, each cache_aware again in precise mode.
     let mut runs: Vec<(String, PolicyConfig, SimConfig)> = Vec::new();
-    for spec in &specs {
+    let mut decode_policies = Vec::new();
+    for (spec, decode_spec) in specs.iter().zip(&decode_specs) {
         let policy = build_config(spec, &cost)?;
-        runs.push((spec.clone(), policy.clone(), config.clone()));
+        match args.decode_ranks {
+            Some(_) => {
+                decode_policies.push(build_config(decode_spec, &cost)?);
+                runs.push((format!("{spec} / {decode_spec}"), policy.clone(), config.clone()));
+            }
+            None => runs.push((spec.clone(), policy.clone(), config.clone())),
+        }
         if let (Some(ms), PolicyConfig::CacheAware(c)) = (args.kv_events_delay_ms, &policy) {
             let events = dprouter_sim::KvEventsConfig {
                 delay: (ms * 1000.0) as u64,
@@ -231,15 +261,26 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
             runs.push((format!("{spec}+events"), policy, precise));
         }
     }
-    for (name, policy, config) in &runs {
+    for (i, (name, policy, config)) in runs.iter().enumerate() {
         let started = Instant::now();
         let mut workload = args.workload.build(args.seed)?;
         let bar = progress_bar(&format!("simulating {name}"), workload.expected_requests(), args.quiet)?;
         let built: Vec<Box<dyn dprouter_core::Policy>> = (0..args.replicas).map(|_| policy.build()).collect();
         let replicas: Vec<&dyn dprouter_core::Policy> = built.iter().map(|p| p.as_ref()).collect();
-        let outcome = simulate_replicas(&replicas, workload.as_mut(), config, &mut |done| {
-            bar.set_position(done as u64)
-        })?;
+        let mut progress = |done: usize| bar.set_position(done as u64);
+        let outcome = match args.decode_ranks {
+            Some(ranks) => {
+                let built: Vec<Box<dyn dprouter_core::Policy>> =
+                    (0..args.replicas).map(|_| decode_policies[i].build()).collect();
+                let policies: Vec<&dyn dprouter_core::Policy> = built.iter().map(|p| p.as_ref()).collect();
+                let pool = DecodePool {
+                    ranks,
+                    policies: &policies,
+                };
+                simulate_disaggregated(&replicas, pool, workload.as_mut(), config, &mut progress)?
+            }
+            None => simulate_replicas(&replicas, workload.as_mut(), config, &mut progress)?,
+        };
         bar.finish_and_clear();
         if !args.quiet {
             eprintln!(
@@ -270,10 +311,13 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         1 => String::new(),
         n => format!(", {n} gateway replicas"),
     };
+    let ranks = match args.decode_ranks {
+        Some(decode) => format!("{} prefill + {decode} decode ranks", args.dp_size),
+        None => format!("dp {}", args.dp_size),
+    };
     let heading = format!(
-        "workload {}, dp {}, preset {}{removal_note}{replicas_note}",
+        "workload {}, {ranks}, preset {}{removal_note}{replicas_note}",
         args.workload.name(),
-        args.dp_size,
         args.cost.preset
     );
     println!("{heading}");
@@ -292,6 +336,7 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
         let doc = json!({
             "workload": args.workload.name(),
             "dp_size": args.dp_size,
+            "decode_ranks": args.decode_ranks,
             "preset": args.cost.preset,
             "cost": cost,
             "seed": args.seed,

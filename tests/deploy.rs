@@ -308,3 +308,134 @@ fn the_route_sends_a_gateways_traffic_to_the_pool() {
     assert_eq!(backend["kind"], "InferencePool");
     get(&objects, "InferencePool", backend["name"].as_str().unwrap());
 }
+
+/// Each prefill/decode pool (`pd-*.yaml`): its gateway's config is valid, routes each role with its own policy and
+/// finds both Deployments' Pods (and not its own) by its `pods` selector; their annotations read as prefill and
+/// decode workers (the SGLang prefill with its bootstrap port) at a port they listen on; its Service selects the
+/// gateway's Pods at a port they expose; it runs as `serve-rbac.yaml`'s account, which may read Pods; its image is
+/// the Dockerfile's, and the drain fits in its grace period.
+#[test]
+fn each_prefill_decode_pool_is_found_by_its_gateway_in_both_roles() {
+    use dprouter_gateway::Role;
+    let objects = objects();
+    let image = format!("dprouter:{}", env!("CARGO_PKG_VERSION"));
+    for (gateway, prefill, decode, backend, bootstrap) in [
+        (
+            "dprouter-pd-sglang",
+            "sglang-qwen-prefill",
+            "sglang-qwen-decode",
+            "sglang",
+            Some(8998),
+        ),
+        (
+            "dprouter-pd-vllm",
+            "vllm-llama-prefill",
+            "vllm-llama-decode",
+            "vllm",
+            None,
+        ),
+    ] {
+        let deployment = get(&objects, "Deployment", gateway);
+        let template = &deployment["spec"]["template"];
+        let pod = &template["spec"];
+        let container = &pod["containers"][0];
+        assert!(container["image"].as_str().unwrap().starts_with(&image), "{gateway}");
+        let config_map = get(
+            &objects,
+            "ConfigMap",
+            pod["volumes"][0]["configMap"]["name"].as_str().unwrap(),
+        );
+        let config = GatewayConfig::from_toml(config_map["data"]["dprouter.toml"].as_str().unwrap()).unwrap();
+        assert_eq!(config.routing_of(Role::Prefill).name(), "cache_aware", "{gateway}");
+        assert_eq!(config.routing_of(Role::Decode).name(), "least_loaded", "{gateway}");
+        let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+        assert!(
+            grace * 1000 > config.server.drain_timeout_ms,
+            "{gateway}: grace below the drain"
+        );
+
+        // Its one Pods source selects both pools' Pods, not the gateway's own.
+        let [source] = config.discovery.kubernetes.as_slice() else {
+            panic!("{gateway}: one Kubernetes source")
+        };
+        let selector: BTreeMap<String, String> = source
+            .pods
+            .as_deref()
+            .unwrap()
+            .split(',')
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').unwrap();
+                (k.trim().to_string(), v.trim().to_string())
+            })
+            .collect();
+        assert!(
+            !selects(&selector, &labels(&template["metadata"]["labels"])),
+            "{gateway} finds itself"
+        );
+        let port = source.port.unwrap();
+        for (name, role) in [(prefill, Role::Prefill), (decode, Role::Decode)] {
+            let servers = get(&objects, "Deployment", name);
+            let server = &servers["spec"]["template"];
+            assert!(
+                selects(&selector, &labels(&server["metadata"]["labels"])),
+                "{gateway} misses {name}"
+            );
+            assert!(
+                selects(
+                    &labels(&servers["spec"]["selector"]["matchLabels"]),
+                    &labels(&server["metadata"]["labels"])
+                ),
+                "{name}"
+            );
+            let listens = server["spec"]["containers"][0]["ports"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p["containerPort"].as_u64() == Some(u64::from(port)));
+            assert!(listens, "{name} does not listen at {port}");
+            let worker = source
+                .worker
+                .worker(
+                    "10.0.0.1".parse().unwrap(),
+                    port,
+                    &labels(&server["metadata"]["annotations"]),
+                )
+                .unwrap();
+            assert_eq!((worker.role, worker.backend.as_str()), (role, backend), "{name}");
+            assert_eq!(worker.dp_size, Some(2), "{name}");
+            let expected = if role == Role::Prefill { bootstrap } else { None };
+            assert_eq!(worker.bootstrap_port, expected, "{name}");
+        }
+        // Prefill and decode Pods are told apart by their Deployments.
+        let prefill_selector = labels(&get(&objects, "Deployment", prefill)["spec"]["selector"]["matchLabels"]);
+        let decode_pod = labels(&get(&objects, "Deployment", decode)["spec"]["template"]["metadata"]["labels"]);
+        assert!(
+            !selects(&prefill_selector, &decode_pod),
+            "{prefill} selects {decode}'s Pods"
+        );
+
+        // Its Service reaches it.
+        let service = get(&objects, "Service", gateway);
+        assert!(selects(
+            &labels(&service["spec"]["selector"]),
+            &labels(&template["metadata"]["labels"])
+        ));
+        let target = service["spec"]["ports"][0]["targetPort"].clone();
+        let exposes = container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["containerPort"] == target || (target.is_string() && p["name"] == target));
+        assert!(exposes, "{gateway}'s Service targets a port its Pods do not expose");
+
+        // Its account may read Pods.
+        let account = pod["serviceAccountName"].as_str().unwrap();
+        let binding = get(&objects, "RoleBinding", account);
+        let role = get(&objects, "Role", binding["roleRef"]["name"].as_str().unwrap());
+        let reads_pods = role["rules"].as_array().unwrap().iter().any(|rule| {
+            let has = |field: &str, v: &str| rule[field].as_array().unwrap().iter().any(|x| x == v);
+            has("apiGroups", "") && has("resources", "pods") && ["get", "list", "watch"].iter().all(|v| has("verbs", v))
+        });
+        assert!(reads_pods, "{account} cannot read Pods");
+    }
+}

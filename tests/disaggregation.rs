@@ -325,3 +325,51 @@ async fn a_failing_vllm_prefill_leaves_the_decode_server_to_prefill() {
     }
     assert_eq!(in_flight(&c, &gw.url).await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vllm_request_with_little_left_to_prefill_goes_to_its_decode_server_alone() {
+    let c = common::client();
+    let prefill = mock("prefill", "1", &["--api", "vllm"]);
+    let decode = mock("decode", "1", &["--api", "vllm"]);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("disaggregation");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("conditional.toml");
+    std::fs::write(
+        &config,
+        "[decode_routing]\npolicy = \"cache_aware\"\n\n[disaggregation]\nlocal_prefill_below_tokens = 1000\nlocal_prefill_max_share = 0.7\n",
+    )
+    .unwrap();
+    let gw = gateway(
+        &c,
+        &[&prefill],
+        &[&decode],
+        &["--backend", "vllm", "--config", config.to_str().unwrap()],
+    )
+    .await;
+    let url = format!("{}/v1/completions", gw.url);
+    let prefilled_by = |reply: &common::Reply| reply.headers.get("x-dprouter-prefill-endpoint").is_some();
+    // Turn 0: nothing cached on the decode server, 3,000 tokens to prefill: both legs.
+    let reply = post(&c, &url, &[], &json!({"prompt": prompt(7, 0), "max_tokens": 4})).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert!(prefilled_by(&reply));
+    // Turn 1: the decode server holds turn 0's 3,000 tokens (its KV came from the prefill server): 48 are left,
+    // under 1,000 and under 70% of the prompt. It prefills them itself.
+    let reply = post(
+        &c,
+        &url,
+        &[],
+        &json!({"prompt": prompt(7, 1), "max_tokens": 4, "stream": true}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert!(!prefilled_by(&reply), "{:?}", reply.headers);
+    // A short new prompt: 200 tokens, under 1,000 but all of the prompt: both legs.
+    let short: Vec<u32> = (0..200).map(|i| 900_000 + i).collect();
+    let reply = post(&c, &url, &[], &json!({"prompt": short, "max_tokens": 4})).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert!(prefilled_by(&reply));
+    assert!(
+        all_settled(&c, &gw, &[&prefill, &decode]).await,
+        "something was left in flight"
+    );
+}

@@ -134,7 +134,7 @@ fn bad_arguments_exit_two_and_bad_traces_fail() {
     for args in [
         &["--workload", "agent", "--dp-size", "4", "--preset", "a100"][..],
         &["--workload", "agent:agentz=3", "--dp-size", "4"],
-        &["--workload", "agent", "--dp-size", "4", "--policy", "random"],
+        &["--workload", "agent", "--dp-size", "4", "--policy", "fastest"],
         &["--workload", "agent", "--dp-size", "0"],
         &["--workload", "agent", "--dp-size", "4", "--prefill-contention", "1.5"],
     ] {

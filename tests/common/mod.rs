@@ -433,7 +433,20 @@ impl VllmEngine {
     }
 
     fn start_traced(env: &[(&str, &str)], traced: bool) -> Option<VllmEngine> {
-        if let Some(running) = std::env::var("DPROUTER_TEST_VLLM").ok().filter(|_| env.is_empty()) {
+        Self::start_with(env, traced, 2, &[])
+    }
+
+    /// A new engine of `dp_size` ranks, with `serve_flags` added to `vllm serve`'s (`--kv-transfer-config …`);
+    /// the caller keeps it for its test binary.
+    pub fn start_serving(dp_size: u32, serve_flags: &[&str]) -> Option<VllmEngine> {
+        Self::start_with(&[], false, dp_size, serve_flags)
+    }
+
+    fn start_with(env: &[(&str, &str)], traced: bool, dp_size: u32, serve_flags: &[&str]) -> Option<VllmEngine> {
+        if let Some(running) = std::env::var("DPROUTER_TEST_VLLM")
+            .ok()
+            .filter(|_| env.is_empty() && dp_size == 2 && serve_flags.is_empty())
+        {
             let (url, events) = running.split_once(' ').expect("DPROUTER_TEST_VLLM=\"URL PORT\"");
             return Some(VllmEngine {
                 url: url.to_string(),
@@ -451,7 +464,7 @@ impl VllmEngine {
             let started = Instant::now();
             let events = free_port_block();
             let otlp = spans.as_ref().map(|(_, endpoint)| endpoint.as_str());
-            let mut child = Self::launch(&python, &model, events, env, otlp);
+            let mut child = Self::launch(&python, &model, (dp_size, events), env, otlp, serve_flags);
             let mut url = None;
             for line in BufReader::new(child.stdout.take().unwrap()).lines() {
                 let line = line.unwrap();
@@ -462,7 +475,10 @@ impl VllmEngine {
             }
             match url {
                 Some(url) => {
-                    eprintln!("vLLM (data parallel 2) ready at {url} after {:?}", started.elapsed());
+                    eprintln!(
+                        "vLLM (data parallel {dp_size}) ready at {url} after {:?}",
+                        started.elapsed()
+                    );
                     return Some(VllmEngine {
                         url,
                         events,
@@ -479,18 +495,27 @@ impl VllmEngine {
         panic!("vLLM did not start twice (scripts/vllm_engine.py run; its log's tail is above)")
     }
 
-    fn launch(python: &Path, model: &Path, events: u16, env: &[(&str, &str)], otlp: Option<&str>) -> Child {
+    fn launch(
+        python: &Path,
+        model: &Path,
+        (dp_size, events): (u32, u16),
+        env: &[(&str, &str)],
+        otlp: Option<&str>,
+        serve_flags: &[&str],
+    ) -> Child {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/vllm_engine.py");
         let mut command = Command::new(python);
         command
             .arg(&script)
-            .args(["run", "--quiet", "--dp-size", "2", "--model"])
+            .args(["run", "--quiet", "--dp-size", &dp_size.to_string(), "--model"])
             .arg(model)
             .arg("--kv-events")
-            .arg(format!("connect:{events}"));
+            .arg(format!("connect:{events}"))
+            .arg("--");
         if let Some(endpoint) = otlp {
-            command.args(["--", "--otlp-traces-endpoint", endpoint]);
+            command.args(["--otlp-traces-endpoint", endpoint]);
         }
+        command.args(serve_flags);
         command
             .envs(env.iter().copied())
             .stdin(Stdio::piped())

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::policy::{
     CacheAware, CacheAwareConfig, FollowBootstrapRoom, LeastLoaded, Policy, PrefixAffinity, PrefixAffinityConfig,
-    PrefixMatch, RoundRobin, TotalRequests, TotalTokens,
+    PrefixMatch, Random, RandomConfig, RoundRobin, TotalRequests, TotalTokens,
 };
 use crate::prefix_key::PrefixWindow;
 
@@ -34,6 +34,7 @@ pub enum PolicyConfig {
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
     LeastLoaded(NoOptions),
+    Random(RandomConfig),
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
@@ -48,6 +49,7 @@ enum UncheckedPolicyConfig {
     TotalRequests(NoOptions),
     TotalTokens(NoOptions),
     LeastLoaded(NoOptions),
+    Random(RandomConfig),
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
@@ -63,6 +65,7 @@ impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
             UncheckedPolicyConfig::TotalRequests(o) => PolicyConfig::TotalRequests(o),
             UncheckedPolicyConfig::TotalTokens(o) => PolicyConfig::TotalTokens(o),
             UncheckedPolicyConfig::LeastLoaded(o) => PolicyConfig::LeastLoaded(o),
+            UncheckedPolicyConfig::Random(o) => PolicyConfig::Random(o),
             UncheckedPolicyConfig::PrefixMatch(o) => PolicyConfig::PrefixMatch(o),
             UncheckedPolicyConfig::PrefixAffinity(o) => PolicyConfig::PrefixAffinity(o),
             UncheckedPolicyConfig::CacheAware(o) => PolicyConfig::CacheAware(o),
@@ -120,6 +123,7 @@ impl PolicyConfig {
         "total_requests",
         "total_tokens",
         "least_loaded",
+        "random",
         "prefix_match",
         "prefix_affinity",
         "cache_aware",
@@ -168,6 +172,7 @@ impl PolicyConfig {
             | PolicyConfig::FollowBootstrapRoom(_)
             | PolicyConfig::TotalRequests(_)
             | PolicyConfig::LeastLoaded(_)
+            | PolicyConfig::Random(_)
             | PolicyConfig::TotalTokens(_) => {}
             PolicyConfig::PrefixMatch(w) => {
                 for (field, value) in [
@@ -267,6 +272,7 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => "total_requests",
             PolicyConfig::TotalTokens(_) => "total_tokens",
             PolicyConfig::LeastLoaded(_) => "least_loaded",
+            PolicyConfig::Random(_) => "random",
             PolicyConfig::PrefixMatch(_) => "prefix_match",
             PolicyConfig::PrefixAffinity(_) => "prefix_affinity",
             PolicyConfig::CacheAware(_) => "cache_aware",
@@ -281,6 +287,7 @@ impl PolicyConfig {
             PolicyConfig::TotalRequests(_) => Box::new(TotalRequests),
             PolicyConfig::TotalTokens(_) => Box::new(TotalTokens),
             PolicyConfig::LeastLoaded(_) => Box::new(LeastLoaded::default()),
+            PolicyConfig::Random(config) => Box::new(Random::new(*config)),
             PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
             PolicyConfig::PrefixAffinity(config) => Box::new(PrefixAffinity::new(*config)),
             PolicyConfig::CacheAware(config) => Box::new(CacheAware::new(*config)),

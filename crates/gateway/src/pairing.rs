@@ -1,6 +1,6 @@
 //! Prefill/decode disaggregation's decision: a request for a model that decode workers serve gets a **pair**, a
 //! prefill endpoint picked by the prefill policy (by its cached prefix, `cache_aware` by default) among the
-//! prefill workers and a decode endpoint picked by the decode policy (by load, `total_tokens` by default) among the
+//! prefill workers and a decode endpoint picked by the decode policy (by load, `least_loaded` by default) among the
 //! decode workers: two ordinary picks over two role-filtered views of one membership, each with its own ticket
 //! (`docs/disaggregation.md`).
 //!
@@ -13,7 +13,10 @@
 //!
 //! Under vLLM the legs are paired by `kv_transfer_params` instead ([`vllm_prefill_members`], [`crate::legs`]), and
 //! each leg's rank goes in its own `X-data-parallel-rank`. A vLLM decode server prefills a prompt that comes
-//! without KV, so with no healthy prefill endpoint its request goes to the decode server alone.
+//! without KV, so with no healthy prefill endpoint its request goes to the decode server alone, and so does one
+//! that [`DisaggregationConfig`] keeps local: few uncached tokens on its decode endpoint, or every prefill endpoint
+//! busy (conditional disaggregation, as Dynamo's `isl_bounding` and `prefill_load` rules and llm-d's
+//! `nonCachedTokens`).
 
 use std::sync::Arc;
 
@@ -21,7 +24,7 @@ use bytes::Bytes;
 use dprouter_core::{dispatch_among, Policy, RouteRequest};
 
 use crate::body::GatewayTicket;
-use crate::config::{Backend, Role};
+use crate::config::{Backend, DisaggregationConfig, Role};
 use crate::error::ApiError;
 use crate::registry::{Membership, Target};
 
@@ -37,6 +40,25 @@ pub struct Pair {
     pub room: u64,
     pub ticket: Option<GatewayTicket>,
     pub kv_transfer_params: Option<Bytes>,
+}
+
+/// Whether every endpoint `accept`ed among `membership`'s healthy ones has `conditions.prefill_busy_tokens` prompt
+/// tokens waiting for their first token (the prefill pool is saturated; never when that is 0).
+fn prefill_saturated(
+    conditions: &DisaggregationConfig,
+    membership: &Membership,
+    accept: &dyn Fn(usize) -> bool,
+) -> bool {
+    let mut prefill = membership
+        .snapshot
+        .healthy()
+        .iter()
+        .copied()
+        .filter(|&r| accept(r))
+        .peekable();
+    conditions.prefill_busy_tokens > 0
+        && prefill.peek().is_some()
+        && prefill.all(|r| membership.snapshot.load(r).queued_prefill_tokens() >= conditions.prefill_busy_tokens)
 }
 
 /// A bootstrap room whose residue modulo `dp_size` is `rank`, from a uniform 64-bit `draw`: uniform over such
@@ -131,14 +153,15 @@ pub fn check_pin(membership: &Membership, pin: Option<i64>, roles: &[Role]) -> R
 }
 
 /// Picks the pair for `route` among the endpoints `accept` lets through (the prefill leg's, the decode leg's):
-/// the decode leg's ticket, and the prefill leg; none when no prefill endpoint is healthy and the decode server
-/// is vLLM's, which then prefills the prompt itself. A client's pin applies to the leg whose role its rank has.
+/// the decode leg's ticket, and the prefill leg; none when the decode server is vLLM's, which then prefills the
+/// prompt itself, and no prefill endpoint is healthy or `conditions` keep the request local (unless the client
+/// pinned a prefill rank). A client's pin applies to the leg whose role its rank has.
 pub fn pick(
     membership: &Membership,
-    prefill_policy: Arc<dyn Policy>,
-    decode_policy: Arc<dyn Policy>,
+    (prefill_policy, decode_policy): (Arc<dyn Policy>, Arc<dyn Policy>),
     accept: (&dyn Fn(usize) -> bool, &dyn Fn(usize) -> bool),
     route: RouteRequest,
+    conditions: &DisaggregationConfig,
 ) -> Result<(GatewayTicket, Option<Pair>), ApiError> {
     check_pin(membership, route.rank_override, &[Role::Prefill, Role::Decode])?;
     let pinned_role = route
@@ -164,8 +187,15 @@ pub fn pick(
             other => other.into(),
         }
     };
+    let prompt = decode_route.input_tokens;
     let decode = dispatch_among(decode_policy, &membership.snapshot, &decode_accept, decode_route)
         .map_err(unavailable(Role::Decode))?;
+    if membership.targets[decode.pick.rank].backend == Backend::Vllm && prefill_route.rank_override.is_none() {
+        let uncached = decode.pick.prefill_tokens.unwrap_or(prompt);
+        if conditions.few_uncached(uncached, prompt) || prefill_saturated(conditions, membership, &prefill_accept) {
+            return Ok((decode, None));
+        }
+    }
     let prefill = match dispatch_among(prefill_policy, &membership.snapshot, &prefill_accept, prefill_route) {
         Ok(prefill) => prefill,
         // A vLLM decode server prefills a prompt that comes without KV itself.
@@ -218,6 +248,128 @@ mod tests {
     fn draws_differ() {
         let draws: std::collections::HashSet<u64> = (0..1000).map(|_| draw()).collect();
         assert_eq!(draws.len(), 1000);
+    }
+
+    fn vllm_pd_fleet() -> crate::registry::Registry {
+        let registry = crate::registry::Registry::new(Default::default());
+        for (url, role) in [("http://p:1", Role::Prefill), ("http://d:1", Role::Decode)] {
+            let worker = crate::config::WorkerConfig {
+                url: url.into(),
+                backend: Backend::Vllm,
+                role,
+                ..Default::default()
+            };
+            let info = crate::upstream::WorkerInfo {
+                dp_size: 1,
+                kv_capacity: None,
+                models: Vec::new(),
+            };
+            registry.add_worker(&worker, info).unwrap();
+        }
+        registry
+    }
+
+    fn conditions(below: u64, share: f64, busy: u64) -> DisaggregationConfig {
+        DisaggregationConfig {
+            local_prefill_below_tokens: below,
+            local_prefill_max_share: share,
+            prefill_busy_tokens: busy,
+        }
+    }
+
+    /// Whether a request with `cached` of 3,000 tokens on the decode endpoint (told to `cache_aware` as the usage of
+    /// an earlier request) gets a prefill leg.
+    fn paired(rules: &DisaggregationConfig, cached: usize) -> bool {
+        let membership = vllm_pd_fleet().membership();
+        let decode: Arc<dyn Policy> = Arc::from(dprouter_core::PolicyConfig::from_name("cache_aware").unwrap().build());
+        let prefill: Arc<dyn Policy> =
+            Arc::from(dprouter_core::PolicyConfig::from_name("round_robin").unwrap().build());
+        let all = |_: usize| true;
+        let prompt: Vec<u32> = (0..3000).collect();
+        if cached > 0 {
+            let mut earlier = RouteRequest::tokens(prompt[..cached].to_vec());
+            earlier.now_us = 1;
+            let (mut ticket, _) = pick(
+                &membership,
+                (prefill.clone(), decode.clone()),
+                (&all, &all),
+                earlier,
+                &conditions(0, 1.0, 0),
+            )
+            .unwrap();
+            ticket.usage(dprouter_core::Usage {
+                prompt_tokens: cached as u64,
+                cached_tokens: 0,
+            });
+        }
+        let (_, pair) = pick(
+            &membership,
+            (prefill, decode),
+            (&all, &all),
+            RouteRequest::tokens(prompt),
+            rules,
+        )
+        .unwrap();
+        pair.is_some()
+    }
+
+    #[test]
+    fn a_vllm_request_with_few_uncached_tokens_on_its_decode_endpoint_is_prefilled_there() {
+        // Off by default.
+        assert!(paired(&DisaggregationConfig::default(), 2990));
+        // 10 uncached of 3,000: under 100 and under 70%.
+        assert!(!paired(&conditions(100, 0.7, 0), 2990));
+        // 1,000 uncached: over 100.
+        assert!(paired(&conditions(100, 0.7, 0), 2000));
+        // Nothing cached: 3,000 under 5,000, but all of the prompt; any share is allowed at 1.
+        assert!(paired(&conditions(5000, 0.7, 0), 0));
+        assert!(!paired(&conditions(5000, 1.0, 0), 0));
+    }
+
+    #[test]
+    fn a_vllm_request_skips_a_saturated_prefill_pool() {
+        let registry = vllm_pd_fleet();
+        let membership = registry.membership();
+        let decode: Arc<dyn Policy> =
+            Arc::from(dprouter_core::PolicyConfig::from_name("least_loaded").unwrap().build());
+        let prefill: Arc<dyn Policy> =
+            Arc::from(dprouter_core::PolicyConfig::from_name("round_robin").unwrap().build());
+        let all = |_: usize| true;
+        let busy = conditions(0, 1.0, 5000);
+        let request = || RouteRequest::tokens((0..3000).collect());
+        let (_first, pair) = pick(
+            &membership,
+            (prefill.clone(), decode.clone()),
+            (&all, &all),
+            request(),
+            &busy,
+        )
+        .unwrap();
+        // Its prefill leg holds 3,000 tokens waiting for their first token: not yet 5,000.
+        let held = pair.unwrap();
+        let (_second, pair) = pick(
+            &membership,
+            (prefill.clone(), decode.clone()),
+            (&all, &all),
+            request(),
+            &busy,
+        )
+        .unwrap();
+        let _also_held = pair.unwrap();
+        // 6,000 waiting on the only prefill endpoint: the third goes to the decode server alone.
+        let (_third, pair) = pick(
+            &membership,
+            (prefill.clone(), decode.clone()),
+            (&all, &all),
+            request(),
+            &busy,
+        )
+        .unwrap();
+        assert!(pair.is_none());
+        // A prefill endpoint frees up: pairs again.
+        drop(held);
+        let (_fourth, pair) = pick(&membership, (prefill, decode), (&all, &all), request(), &busy).unwrap();
+        assert!(pair.is_some());
     }
 
     #[test]

@@ -208,13 +208,12 @@ pub async fn route(
     let (ticket, pair) = if crate::pairing::disaggregated(&membership, &serving) {
         // A stored Responses answer's home is a decode endpoint: the scope narrows the decode leg only.
         let unscoped = |rank: usize| serving(rank) && allowed(&membership.targets[rank]);
-        let (ticket, pair) = crate::pairing::pick(
-            &membership,
+        let policies = (
             state.policies.for_role(Role::Prefill, model_key),
             state.policies.for_role(Role::Decode, model_key),
-            (&unscoped, &accept),
-            route,
-        )?;
+        );
+        let conditions = &state.config.disaggregation;
+        let (ticket, pair) = crate::pairing::pick(&membership, policies, (&unscoped, &accept), route, conditions)?;
         if let Some(prefill) = pair.as_ref().and_then(|p| p.ticket.as_ref()) {
             count_decision(state, prefill.pick.branch);
         }

@@ -86,7 +86,7 @@ fn clock_us() -> u64 {
 pub struct Pick {
     /// The rank chosen.
     rank: usize,
-    /// Why: `override`, `turn`, `least_loaded`, `hashed`, `fallback`, `empty`, `affine`, `spill`, `hit`, `cold`.
+    /// Why: `override`, `turn`, `least_loaded`, `hashed`, `fallback`, `empty`, `affine`, `spill`, `hit`, `cold`, `random`.
     branch: &'static str,
     /// Prompt tokens the rank is predicted to hold already (0 when the policy does not predict).
     predicted_cached_tokens: u64,

@@ -17,6 +17,7 @@ pub use cost::{CostModel, Micros};
 pub use oracle::Oracle;
 pub use report::Summary;
 pub use simulator::{
-    simulate, simulate_replicas, KvEventsConfig, RankRemoval, RemovalMode, RequestRecord, SimConfig, SimOutcome,
+    simulate, simulate_disaggregated, simulate_replicas, DecodePool, KvEventsConfig, RankRemoval, RemovalMode,
+    RequestRecord, SimConfig, SimOutcome,
 };
 pub use workload::{SimRequest, Workload, WorkloadError, WorkloadSpec};

@@ -43,8 +43,11 @@ pub struct Summary {
     pub oracle_hit_rate: Option<f64>,
     /// Completed requests per second of virtual time, first arrival to last finish.
     pub throughput_rps: f64,
-    /// The busiest rank's routed requests over the mean per rank (1.0 is perfect balance).
+    /// The busiest rank's routed requests over the mean per rank (1.0 is perfect balance); under disaggregation,
+    /// of the prefill ranks.
     pub max_mean_load: f64,
+    /// Under disaggregation, the same of the decode ranks; `None` (JSON `null`) otherwise.
+    pub decode_max_mean_load: Option<f64>,
     pub errors: u64,
     /// With a rank removed mid-run: the fraction of prefix groups (with requests before and after the removal)
     /// whose rank changed, from their last request before it to their first after it.
@@ -183,9 +186,15 @@ impl Summary {
             (Some(start), Some(end)) if end > start => (end - start) as f64 / MICROS_PER_SECOND,
             _ => 0.0,
         };
-        let routed = &outcome.routed_per_rank;
-        let mean = routed.iter().sum::<u64>() as f64 / routed.len().max(1) as f64;
-        let max = routed.iter().copied().max().unwrap_or(0) as f64;
+        let max_mean = |routed: &[u64]| {
+            let mean = routed.iter().sum::<u64>() as f64 / routed.len().max(1) as f64;
+            let max = routed.iter().copied().max().unwrap_or(0) as f64;
+            if mean > 0.0 {
+                max / mean
+            } else {
+                0.0
+            }
+        };
         Self {
             policy: policy.into(),
             requests: records.len(),
@@ -208,7 +217,9 @@ impl Summary {
                 cached as f64 / prompt as f64
             },
             throughput_rps: if span > 0.0 { records.len() as f64 / span } else { 0.0 },
-            max_mean_load: if mean > 0.0 { max / mean } else { 0.0 },
+            max_mean_load: max_mean(&outcome.routed_per_rank),
+            decode_max_mean_load: (!outcome.routed_per_decode_rank.is_empty())
+                .then(|| max_mean(&outcome.routed_per_decode_rank)),
             errors: outcome.errors,
             oracle_hit_rate: outcome.oracle_hit_rate,
             moved_groups: outcome
@@ -232,9 +243,10 @@ impl Summary {
 /// The results as an aligned text table.
 pub fn table(rows: &[Summary]) -> String {
     let moved = rows.iter().any(|r| r.moved_groups.is_some());
+    let decode = rows.iter().any(|r| r.decode_max_mean_load.is_some());
     let width = rows.iter().map(|r| r.policy.len()).max().unwrap_or(0).max(22);
     let mut out = format!(
-        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11} {:>6} {:>6} {:>8} {:>8} {:>6}{}\n",
+        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11} {:>6} {:>6} {:>8} {:>8}{} {:>6}{}\n",
         "policy",
         "requests",
         "ttft_mean",
@@ -248,6 +260,7 @@ pub fn table(rows: &[Summary]) -> String {
         "of_orc",
         "req/s",
         "max/mean",
+        if decode { " dec_max/mean" } else { "" },
         "errors",
         if moved { "  moved" } else { "" }
     );
@@ -258,7 +271,7 @@ pub fn table(rows: &[Summary]) -> String {
         };
         let floor = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.0}"));
         out.push_str(&format!(
-            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10} {:>9} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2} {:>6}{}\n",
+            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10} {:>9} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2}{} {:>6}{}\n",
             r.policy,
             r.requests,
             r.ttft_mean_ms,
@@ -272,6 +285,11 @@ pub fn table(rows: &[Summary]) -> String {
             of_oracle,
             r.throughput_rps,
             r.max_mean_load,
+            match (decode, r.decode_max_mean_load) {
+                (true, Some(m)) => format!(" {m:>12.2}"),
+                (true, None) => format!(" {:>12}", "-"),
+                _ => String::new(),
+            },
             r.errors,
             match (moved, r.moved_groups) {
                 (true, Some(m)) => format!(" {m:>6.3}"),
@@ -294,6 +312,9 @@ pub fn table(rows: &[Summary]) -> String {
         }
     }
     out.push_str("(TTFT in ms; floor_* = TTFT with no queueing, given the hits; steady_* leave out each session's (agent's or prefix group's) first request; of_orc = hit / oracle");
+    if decode {
+        out.push_str("; max/mean of the prefill ranks, dec_max/mean of the decode ranks");
+    }
     out.push_str(if moved {
         "; moved = fraction of prefix groups whose rank changed at the removal)\n"
     } else {

@@ -19,6 +19,14 @@
 //! Optionally one rank is removed at a given time ([`RankRemoval`]): marked down in the snapshot, or dropped from it
 //! (the remaining endpoints renumbered); the work already queued on it still completes.
 //!
+//! Under prefill/decode disaggregation ([`simulate_disaggregated`]) the `dp_size` ranks only prefill, and a
+//! [`DecodePool`] of ranks on their own servers decodes: each request gets a decode rank from the decode pool's
+//! policy at arrival (both legs are sent at once, as SGLang's router does); its prefill rank caches the prompt (never
+//! the answer, which only the decode rank sees); the prompt's KV then moves to the decode rank in
+//! `kv_transfer_tokens_per_s`, and the first token comes when it is there. Decode ranks never prefill, so nothing
+//! stalls their decode (`prefill_stalls_decode` does not apply), and they report their own load to the decode
+//! policy.
+//!
 //! Deterministic: events at equal times run in the order they were scheduled. Cost per request: O(prompt length)
 //! for cache matching plus O(log events) for the queue; per report: O(ranks).
 
@@ -129,6 +137,16 @@ pub struct SimOutcome {
     pub oracle_hit_rate: Option<f64>,
     /// The removal applied during the run, if any.
     pub removal: Option<RankRemoval>,
+    /// Under disaggregation: requests routed to each decode rank (empty otherwise).
+    pub routed_per_decode_rank: Vec<u64>,
+}
+
+/// The decode servers of a disaggregated run: how many ranks, and each router's policy for them.
+#[derive(Clone, Copy)]
+pub struct DecodePool<'p> {
+    pub ranks: u32,
+    /// One per router, beside the prefill policy of the same index.
+    pub policies: &'p [&'p dyn Policy],
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -141,6 +159,8 @@ enum Event {
     DecodeDue(u64),
     /// A rank's KV events reach the policy (the batch's number in [`Sim::published`]).
     KvEvents(u64),
+    /// Under disaggregation: a prompt's KV has reached its decode rank.
+    Transferred(usize),
 }
 
 struct Live<'a> {
@@ -158,6 +178,9 @@ struct Live<'a> {
     first_token: Micros,
     /// The service time of its prefill.
     prefill: Micros,
+    /// Under disaggregation: its decode rank and the decode leg's ticket.
+    decode_rank: usize,
+    decode_ticket: Option<Ticket<&'a dyn Policy>>,
 }
 
 struct Rank {
@@ -168,6 +191,22 @@ struct Rank {
     queued_tokens: u64,
     prefilling: Option<usize>,
     decoding: usize,
+}
+
+/// A decode rank of a disaggregated run.
+#[derive(Default)]
+struct DecodeRank {
+    /// Requests whose KV is on its way.
+    arriving: usize,
+    decoding: usize,
+    /// The prompt tokens of both: the KV it holds or has reserved.
+    held_tokens: u64,
+}
+
+/// The decode side of a disaggregated run: one router per gateway replica, and the ranks.
+struct Decoders<'a> {
+    routers: Vec<Router<'a>>,
+    ranks: Vec<DecodeRank>,
 }
 
 /// One router (a gateway replica): its policy, and its own view of the ranks' load.
@@ -198,7 +237,28 @@ struct Sim<'a> {
     decode_wakeup: u64,
     /// KV event batches on their way to the policy: their rank and events, by number.
     published: std::collections::HashMap<u64, (usize, Vec<KvEvent>)>,
+    /// Under disaggregation, the decode servers.
+    decoders: Option<Decoders<'a>>,
     outcome: SimOutcome,
+}
+
+/// Routers over `ranks` endpoints of `worker`, one per policy, each endpoint reporting `kv` tokens of capacity.
+fn routers<'a>(policies: &[&'a dyn Policy], worker: u32, ranks: u32, kv: u64) -> Vec<Router<'a>> {
+    policies
+        .iter()
+        .map(|&policy| {
+            let snap = Snapshot::new(
+                (0..ranks)
+                    .map(|r| Endpoint::new(EndpointId::new(worker, r)).with_kv_capacity(kv))
+                    .collect(),
+            );
+            Router {
+                policy,
+                loads: snap.endpoints().iter().map(|e| Arc::clone(&e.load)).collect(),
+                snap,
+            }
+        })
+        .collect()
 }
 
 /// Runs `workload` through `policy` until every request has finished. `on_progress` is called with the number of
@@ -221,25 +281,40 @@ pub fn simulate_replicas(
     config: &SimConfig,
     on_progress: &mut dyn FnMut(usize),
 ) -> Result<SimOutcome, WorkloadError> {
+    run(policies, None, workload, config, on_progress)
+}
+
+/// [`simulate_replicas`] under prefill/decode disaggregation: `prefill[i]` routes router `i`'s requests onto the
+/// `dp_size` prefill ranks and `decode.policies[i]` onto the decode ranks.
+///
+/// # Panics
+/// If the two lists differ in length.
+pub fn simulate_disaggregated(
+    prefill: &[&dyn Policy],
+    decode: DecodePool<'_>,
+    workload: &mut dyn Workload,
+    config: &SimConfig,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<SimOutcome, WorkloadError> {
+    assert_eq!(prefill.len(), decode.policies.len(), "one decode policy per router");
+    run(prefill, Some(decode), workload, config, on_progress)
+}
+
+fn run<'a>(
+    policies: &[&'a dyn Policy],
+    decode: Option<DecodePool<'a>>,
+    workload: &'a mut dyn Workload,
+    config: &'a SimConfig,
+    on_progress: &mut dyn FnMut(usize),
+) -> Result<SimOutcome, WorkloadError> {
     let dp = config.dp_size as usize;
     let kv = config.cost.kv_capacity as u64;
-    let routers = policies
-        .iter()
-        .map(|&policy| {
-            let snap = Snapshot::new(
-                (0..config.dp_size)
-                    .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(kv))
-                    .collect(),
-            );
-            Router {
-                policy,
-                loads: snap.endpoints().iter().map(|e| Arc::clone(&e.load)).collect(),
-                snap,
-            }
-        })
-        .collect();
+    let decoders = decode.map(|pool| Decoders {
+        routers: routers(pool.policies, 1, pool.ranks, kv),
+        ranks: (0..pool.ranks).map(|_| DecodeRank::default()).collect(),
+    });
     let mut sim = Sim {
-        routers,
+        routers: routers(policies, 0, config.dp_size, kv),
         workload,
         config,
         oracle: Oracle::default(),
@@ -261,14 +336,17 @@ pub fn simulate_replicas(
         events: BinaryHeap::new(),
         seq: 0,
         last_report: None,
-        decode: DecodeClock::new(config.cost.prefill_stalls_decode),
+        // Decode servers of their own never wait for a prefill.
+        decode: DecodeClock::new(config.cost.prefill_stalls_decode && decoders.is_none()),
         prefill: SharedPrefill::new(config.cost.prefill_contention),
         decode_wakeup: 0,
         published: std::collections::HashMap::new(),
         outcome: SimOutcome {
             routed_per_rank: vec![0; dp],
+            routed_per_decode_rank: vec![0; decoders.as_ref().map_or(0, |d| d.ranks.len())],
             ..SimOutcome::default()
         },
+        decoders,
     };
     if let Some(removal) = config.removal.filter(|r| r.rank < dp) {
         sim.schedule(removal.at, Event::Removal);
@@ -296,13 +374,16 @@ pub fn simulate_replicas(
             }
             Event::DecodeDue(_) => {}
             Event::KvEvents(batch) => sim.deliver_events(batch, now),
+            Event::Transferred(slot) => sim.transferred(slot, now),
         }
     }
     if let Some(err) = sim.workload.take_error() {
         return Err(err);
     }
     on_progress(sim.outcome.records.len());
-    let loads = || sim.routers.iter().flat_map(|router| &router.loads);
+    let decode_routers = sim.decoders.iter().flat_map(|d| &d.routers);
+    let all: Vec<&Router<'_>> = sim.routers.iter().chain(decode_routers).collect();
+    let loads = || all.iter().flat_map(|router| &router.loads);
     sim.outcome.in_flight_at_end = loads().map(|l| l.in_flight_requests()).sum();
     sim.outcome.queued_prefill_at_end = loads().map(|l| l.queued_prefill_requests()).sum();
     sim.outcome.oracle_hit_rate = Some(sim.oracle.hit_rate());
@@ -375,6 +456,8 @@ impl<'a> Sim<'a> {
             predicted: None,
             first_token: 0,
             prefill: 0,
+            decode_rank: 0,
+            decode_ticket: None,
         };
         let slot = match self.free.pop() {
             Some(slot) => {
@@ -421,6 +504,19 @@ impl<'a> Sim<'a> {
                 router.loads[r].apply_report(report);
             }
         }
+        let Some(decoders) = &self.decoders else { return };
+        for (r, rank) in decoders.ranks.iter().enumerate() {
+            let report = EngineReport {
+                requests: (rank.arriving + rank.decoding) as u64,
+                waiting: rank.arriving as u64,
+                tokens: rank.held_tokens,
+                timestamp: now + 1,
+                queued_prefill_tokens: None,
+            };
+            for router in &decoders.routers {
+                router.loads[r].apply_report(report);
+            }
+        }
     }
 
     fn arrive(&mut self, slot: usize, now: Micros) {
@@ -440,9 +536,25 @@ impl<'a> Sim<'a> {
         let route_req = RouteRequest::tokens(live.req.tokens.clone())
             .with_bootstrap_room(live.req.bootstrap_room(self.config.seed))
             .at(now);
-        let router = &self.routers[(live.req.id % self.routers.len() as u64) as usize];
+        let which = (live.req.id % self.routers.len() as u64) as usize;
+        let router = &self.routers[which];
         match dispatch(router.policy, &router.snap, route_req) {
             Ok(ticket) => {
+                if let Some(decoders) = self.decoders.as_mut() {
+                    let router = &decoders.routers[which];
+                    let route_req = RouteRequest::tokens(live.req.tokens.clone()).at(now);
+                    let Ok(decode) = dispatch(router.policy, &router.snap, route_req) else {
+                        self.outcome.errors += 1;
+                        self.release(slot);
+                        return;
+                    };
+                    let d = decode.endpoint.dp_rank as usize;
+                    decoders.ranks[d].arriving += 1;
+                    decoders.ranks[d].held_tokens += live.req.tokens.len() as u64;
+                    self.outcome.routed_per_decode_rank[d] += 1;
+                    live.decode_rank = d;
+                    live.decode_ticket = Some(decode);
+                }
                 let r = ticket.endpoint.dp_rank as usize;
                 live.predicted = ticket
                     .pick
@@ -494,7 +606,19 @@ impl<'a> Sim<'a> {
         let rank = &mut self.ranks[r];
         let Some(slot) = rank.prefilling.take() else { return };
         self.decode.prefill_ended(now);
-        if let Some(live) = self.live[slot].as_mut() {
+        if let (Some(live), Some(_)) = (self.live[slot].as_mut(), &self.decoders) {
+            // The prefill server keeps the prompt's KV in its cache and sends it to the decode rank.
+            rank.cache.insert(&live.req.tokens);
+            if let Some(lock) = live.lock.take() {
+                rank.cache.unlock(lock);
+            }
+            if let Some(ticket) = live.ticket.as_mut() {
+                ticket.first_token(now);
+            }
+            let transfer = self.config.cost.transfer(live.req.tokens.len());
+            live.prefill += transfer;
+            self.schedule(now + transfer, Event::Transferred(slot));
+        } else if let Some(live) = self.live[slot].as_mut() {
             live.first_token = now;
             if let Some(ticket) = live.ticket.as_mut() {
                 ticket.first_token(now);
@@ -511,6 +635,25 @@ impl<'a> Sim<'a> {
         self.publish_events(r, now);
         self.wake_decode();
         self.start_prefill(r, now);
+    }
+
+    /// A prompt's KV reached its decode rank: the prefill leg is over, the first token goes out and decoding starts.
+    fn transferred(&mut self, slot: usize, now: Micros) {
+        let (Some(live), Some(decoders)) = (self.live[slot].as_mut(), self.decoders.as_mut()) else {
+            return;
+        };
+        live.first_token = now;
+        // Releases the prefill server's in-flight load.
+        live.ticket = None;
+        if let Some(ticket) = live.decode_ticket.as_mut() {
+            ticket.first_token(now);
+        }
+        let rank = &mut decoders.ranks[live.decode_rank];
+        rank.arriving -= 1;
+        rank.decoding += 1;
+        let duration = self.config.cost.decode(live.req.output_tokens, rank.decoding);
+        self.decode.start(now, duration, slot);
+        self.wake_decode();
     }
 
     /// Takes the configured rank out of the snapshot's service; its queued work goes on.
@@ -536,18 +679,26 @@ impl<'a> Sim<'a> {
 
     fn decode_done(&mut self, slot: usize, now: Micros) {
         let Some(mut live) = self.release(slot) else { return };
-        let rank = &mut self.ranks[live.rank];
-        rank.decoding -= 1;
         let output = tokens::output(self.config.seed, live.req.id, live.req.output_tokens as usize);
-        let mut full = live.req.tokens.clone();
-        full.extend_from_slice(&output);
-        rank.cache.insert(&full);
-        if let Some(lock) = live.lock.take() {
-            rank.cache.unlock(lock);
+        if let Some(decoders) = self.decoders.as_mut() {
+            // Only the decode rank saw the answer; the prefill rank cached the prompt alone.
+            let rank = &mut decoders.ranks[live.decode_rank];
+            rank.decoding -= 1;
+            rank.held_tokens -= live.req.tokens.len() as u64;
+        } else {
+            let rank = &mut self.ranks[live.rank];
+            rank.decoding -= 1;
+            let mut full = live.req.tokens.clone();
+            full.extend_from_slice(&output);
+            rank.cache.insert(&full);
+            if let Some(lock) = live.lock.take() {
+                rank.cache.unlock(lock);
+            }
+            self.publish_events(live.rank, now);
         }
-        self.publish_events(live.rank, now);
-        // Releases this request's in-flight load.
+        // Releases this request's in-flight load (both legs' under disaggregation).
         live.ticket = None;
+        live.decode_ticket = None;
         self.outcome.records.push(RequestRecord {
             id: live.req.id,
             group: live.req.group,
@@ -569,232 +720,5 @@ impl<'a> Sim<'a> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::report::Summary;
-    use crate::workload::agent::{AgentConfig, AgentWorkload};
-    use crate::workload::groups::{GroupsConfig, GroupsWorkload};
-    use dprouter_core::PolicyConfig;
-
-    fn config(dp: u32, preset: &str) -> SimConfig {
-        SimConfig {
-            dp_size: dp,
-            cost: CostModel::preset(preset).unwrap(),
-            report_interval: 20_000,
-            seed: 0,
-            removal: None,
-            kv_events: None,
-        }
-    }
-
-    fn run(policy: &str, workload: &mut dyn Workload, config: &SimConfig) -> SimOutcome {
-        let policy = PolicyConfig::from_name(policy).unwrap().build();
-        simulate(policy.as_ref(), workload, config, &mut |_| {}).unwrap()
-    }
-
-    fn agents_workload(config: AgentConfig) -> AgentWorkload {
-        AgentWorkload::new(config, 0).unwrap()
-    }
-
-    #[test]
-    fn prefill_stalling_decode_reproduces_the_seeds_four_agents() {
-        // The seed measured 0.41 requests/s for four agents on one prefix under prefix_match.
-        let four = || {
-            agents_workload(AgentConfig {
-                agents: 4,
-                ..AgentConfig::default()
-            })
-        };
-        let mut coupled = config(16, "seed-moe");
-        assert!(coupled.cost.prefill_stalls_decode);
-        let with = Summary::new("p", &run("prefix_match", &mut four(), &coupled)).throughput_rps;
-        coupled.cost.prefill_stalls_decode = false;
-        let without = Summary::new("p", &run("prefix_match", &mut four(), &coupled)).throughput_rps;
-        assert!((with - 0.41).abs() < 0.02, "{with} req/s");
-        assert!(without > 0.55, "{without} req/s");
-    }
-
-    #[test]
-    fn contending_prefills_slow_the_policies_that_spread_them() {
-        let four = || {
-            agents_workload(AgentConfig {
-                agents: 4,
-                ..AgentConfig::default()
-            })
-        };
-        let mut shared = config(16, "seed-moe");
-        let rps = |policy, c: &SimConfig| Summary::new("p", &run(policy, &mut four(), c)).throughput_rps;
-        let (spread, gathered) = (rps("round_robin", &shared), rps("prefix_match", &shared));
-        shared.cost.prefill_contention = 1.0;
-        // round_robin's prefills overlap on different ranks and now share one pool; prefix_match's never overlap.
-        assert!(rps("round_robin", &shared) < 0.6 * spread);
-        assert_eq!(rps("prefix_match", &shared), gathered);
-    }
-
-    #[test]
-    fn seed_agent_is_cold_once_then_warm_with_prefix_match() {
-        let out = run(
-            "prefix_match",
-            &mut agents_workload(AgentConfig::default()),
-            &config(16, "seed-moe"),
-        );
-        let mut records = out.records.clone();
-        records.sort_by_key(|r| r.arrival);
-        assert_eq!(records.len(), 30);
-        let first = records[0].ttft() as f64 / 1e6;
-        assert!((first - 7.45).abs() < 0.1, "cold TTFT {first}");
-        let s = Summary::new("prefix_match", &out);
-        assert!(
-            (s.steady_ttft_p50_ms - 1290.0).abs() < 10.0,
-            "steady p50 {}",
-            s.steady_ttft_p50_ms
-        );
-    }
-
-    #[test]
-    fn round_robin_is_cold_on_every_new_rank() {
-        let workload = AgentConfig {
-            turns: 16,
-            ..AgentConfig::default()
-        };
-        let out = run("round_robin", &mut agents_workload(workload), &config(16, "seed-moe"));
-        assert!(
-            out.records.iter().all(|r| r.cached_tokens == 0),
-            "16 turns over 16 ranks never meet a warm rank"
-        );
-        assert_eq!(out.routed_per_rank, vec![1; 16]);
-    }
-
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
-        #[test]
-        fn every_request_completes_and_no_load_leaks(
-            groups in 1u64..6, per_group in 1u64..6, system_len in 0usize..3000, rate in 0.0f64..200.0,
-            dp in 1u32..6, kv in 500usize..20_000, agents in 1u64..5, turns in 1u32..4,
-        ) {
-            let mut cfg = config(dp, "h100-8b");
-            cfg.cost.kv_capacity = kv;
-            let g = GroupsConfig { groups, prompts_per_group: per_group, system_len, rate, ..GroupsConfig::default() };
-            let a = AgentConfig { agents, prefixes: 2, prefix_len: system_len, turns, ..AgentConfig::default() };
-            for policy in PolicyConfig::NAMES {
-                for (expected, out) in [
-                    (groups * per_group, run(policy, &mut GroupsWorkload::new(g.clone(), 1).unwrap(), &cfg)),
-                    (agents * u64::from(turns), run(policy, &mut agents_workload(a.clone()), &cfg)),
-                ] {
-                    proptest::prop_assert_eq!(
-                        (out.records.len() as u64, out.errors, out.in_flight_at_end, out.queued_prefill_at_end),
-                        (expected, 0, 0, 0)
-                    );
-                    // The oracle may undercount by less than one of its blocks per request.
-                    let s = Summary::new(policy, &out);
-                    let prompt: usize = out.records.iter().map(|r| r.prompt_tokens).sum();
-                    let slack = (crate::oracle::BLOCK * out.records.len()) as f64 / prompt.max(1) as f64;
-                    let oracle = out.oracle_hit_rate.unwrap();
-                    proptest::prop_assert!(s.hit_rate <= oracle + slack, "{} hit {} > oracle {}", policy, s.hit_rate, oracle);
-                    proptest::prop_assert_eq!(out.routed_per_rank.iter().sum::<u64>(), expected);
-                    for r in &out.records {
-                        proptest::prop_assert!(r.cached_tokens < r.prompt_tokens.max(1));
-                        proptest::prop_assert!(r.arrival <= r.first_token && r.first_token <= r.finish);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn a_removed_rank_moves_every_prefix_for_prefix_match_but_only_its_own_for_prefix_affinity() {
-        let groups = GroupsConfig {
-            groups: 200,
-            prompts_per_group: 8,
-            system_len: 1024,
-            question_len: 64,
-            output_tokens: 8,
-            rate: 200.0,
-        };
-        // No cost, so no load: every move is the removal's, none a load spill.
-        let moved = |policy: &str, mode: RemovalMode| {
-            let mut cfg = config(8, "zero");
-            cfg.removal = Some(RankRemoval {
-                rank: 3,
-                at: 4_000_000,
-                mode,
-            });
-            let out = run(policy, &mut GroupsWorkload::new(groups.clone(), 1).unwrap(), &cfg);
-            assert_eq!((out.errors, out.records.len()), (0, 1600));
-            if mode != RemovalMode::Control {
-                assert!(out.records.iter().all(|r| r.rank != 3 || r.arrival < 4_000_000));
-            }
-            Summary::new(policy, &out).moved_groups.unwrap()
-        };
-        // Marked down, prefix_match moves only rank 3's keys (to rank 4); dropped, `% 7` moves nearly all.
-        assert_eq!(moved("prefix_match", RemovalMode::Control), 0.0);
-        assert!(moved("prefix_match", RemovalMode::Down) < 0.25);
-        assert!(moved("prefix_match", RemovalMode::Drop) > 0.75);
-        assert!(moved("prefix_affinity", RemovalMode::Drop) < 0.25);
-        assert!(moved("cache_aware", RemovalMode::Drop) < 0.25);
-    }
-
-    #[test]
-    fn the_oracle_bounds_every_policy_and_matches_the_seed_workload() {
-        let out = run(
-            "round_robin",
-            &mut agents_workload(AgentConfig::default()),
-            &config(16, "seed-moe"),
-        );
-        // One infinite cache misses only the first prompt and the new user turns.
-        let oracle = out.oracle_hit_rate.unwrap();
-        assert!((oracle - 0.966).abs() < 0.001, "{oracle}");
-        assert!(Summary::new("round_robin", &out).hit_rate < oracle);
-    }
-
-    #[test]
-    fn unroutable_requests_are_counted_as_errors() {
-        let mut cfg = config(4, "zero");
-        cfg.dp_size = 0;
-        let out = run(
-            "round_robin",
-            &mut agents_workload(AgentConfig {
-                agents: 3,
-                ..AgentConfig::default()
-            }),
-            &cfg,
-        );
-        assert_eq!((out.records.len(), out.errors, out.in_flight_at_end), (0, 3, 0));
-    }
-
-    #[test]
-    fn identical_inputs_give_identical_runs() {
-        let workload = AgentConfig {
-            agents: 6,
-            prefixes: 2,
-            prefix_len: 3000,
-            turns: 5,
-            ..AgentConfig::default()
-        };
-        let a = run(
-            "total_tokens",
-            &mut agents_workload(workload.clone()),
-            &config(4, "h100-8b"),
-        );
-        let b = run("total_tokens", &mut agents_workload(workload), &config(4, "h100-8b"));
-        assert_eq!(a.records, b.records);
-    }
-
-    #[test]
-    fn a_small_cache_forgets_and_capacity_holds() {
-        // Two agents with distinct 3000-token prefixes on one rank that holds only 4000 tokens: they evict each other.
-        let workload = AgentConfig {
-            agents: 2,
-            prefixes: 2,
-            prefix_len: 3000,
-            turns: 4,
-            ..AgentConfig::default()
-        };
-        let mut small = config(1, "h100-8b");
-        small.cost.kv_capacity = 4000;
-        let out = run("round_robin", &mut agents_workload(workload.clone()), &small);
-        let big = run("round_robin", &mut agents_workload(workload), &config(1, "h100-8b"));
-        let hit = |o: &SimOutcome| Summary::new("x", o).hit_rate;
-        assert!(hit(&out) < hit(&big), "{} vs {}", hit(&out), hit(&big));
-    }
-}
+#[path = "simulator_tests.rs"]
+mod tests;

@@ -19,6 +19,7 @@ pub mod follow_bootstrap_room;
 pub mod least_loaded;
 pub mod prefix_affinity;
 pub mod prefix_match;
+pub mod random;
 pub mod round_robin;
 pub mod total_requests;
 pub mod total_tokens;
@@ -28,6 +29,7 @@ pub use follow_bootstrap_room::FollowBootstrapRoom;
 pub use least_loaded::LeastLoaded;
 pub use prefix_affinity::{AffinityLoad, PrefixAffinity, PrefixAffinityConfig};
 pub use prefix_match::PrefixMatch;
+pub use random::{Random, RandomConfig};
 pub use round_robin::RoundRobin;
 pub use total_requests::TotalRequests;
 pub use total_tokens::TotalTokens;
@@ -55,11 +57,13 @@ pub enum Branch {
     Hit,
     /// No endpoint holds any of the prompt: placed by rendezvous hashing among the least loaded.
     Cold,
+    /// Drawn at random.
+    Drawn,
 }
 
 impl Branch {
     /// Every branch, in the order of [`Branch::index`].
-    pub const ALL: [Branch; 10] = [
+    pub const ALL: [Branch; 11] = [
         Branch::Override,
         Branch::Turn,
         Branch::LeastLoaded,
@@ -70,6 +74,7 @@ impl Branch {
         Branch::Spill,
         Branch::Hit,
         Branch::Cold,
+        Branch::Drawn,
     ];
 
     /// The branch's position in [`Branch::ALL`] (for per-branch counters in an array).
@@ -89,6 +94,7 @@ impl Branch {
             Branch::Spill => "spill",
             Branch::Hit => "hit",
             Branch::Cold => "cold",
+            Branch::Drawn => "random",
         }
     }
 }
