@@ -7,7 +7,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{eventually, get, in_flight, post, read, send, Proc};
+use common::{cached_tokens, eventually, get, in_flight, post, read, send, Proc};
 use serde_json::{json, Value};
 
 /// A prefill or decode mock with `dp` ranks; `extra` flags after.
@@ -55,19 +55,6 @@ fn prompt(agent: u32, turn: u32) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..3000).map(|i| 1000 + agent * 100_000 + i).collect();
     ids.extend((0..turn * 48).map(|i| 50_000 + agent * 100_000 + i));
     ids
-}
-
-/// The cached tokens an answer reports (a whole answer's usage, or a stream's usage chunk).
-fn cached_tokens(reply: &common::Reply) -> Option<u64> {
-    if let Some(n) = reply.json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
-        return Some(n);
-    }
-    reply
-        .text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
 }
 
 /// Open bootstrap rooms and requests on all ranks of a mock.

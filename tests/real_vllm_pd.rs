@@ -21,7 +21,7 @@ use std::sync::OnceLock;
 
 use common::{client, get, in_flight, post, Proc, VllmEngine};
 use hyper::StatusCode;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The prefill and decode servers, and the directory their KV goes through.
 struct Pair {
@@ -83,16 +83,7 @@ fn prompt(topic: &str) -> String {
 }
 
 fn cached(reply: &common::Reply) -> u64 {
-    if let Some(n) = reply.json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
-        return n;
-    }
-    reply
-        .text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
-        .unwrap_or_else(|| panic!("no usage in {}", reply.text))
+    common::cached_tokens(reply).unwrap_or_else(|| panic!("no usage in {}", reply.text))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

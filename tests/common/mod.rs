@@ -540,3 +540,16 @@ fn free_port_block() -> u16 {
         }
     }
 }
+
+/// The cached tokens an answer reports (a whole answer's usage, or a stream's usage chunk).
+pub fn cached_tokens(reply: &Reply) -> Option<u64> {
+    if let Some(n) = reply.json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() {
+        return Some(n);
+    }
+    reply
+        .text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
+}
