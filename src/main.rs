@@ -7,6 +7,7 @@ use clap::{Parser, Subcommand};
 mod alloc;
 mod bench;
 mod cost_args;
+mod decode_sidecar;
 #[cfg(feature = "epp")]
 mod epp;
 mod logging;
@@ -37,6 +38,8 @@ enum Command {
     Simulate(Box<simulate::SimulateArgs>),
     /// Run an SGLang-compatible engine over the simulator (no GPU), in scaled real time.
     MockEngine(mock_engine::MockEngineArgs),
+    /// Run beside a decode server: the prefill leg of each request a picker sends with x-prefiller-host-port.
+    DecodeSidecar(decode_sidecar::DecodeSidecarArgs),
     /// Drive a workload over HTTP against an engine or gateway and measure TTFT from the streams.
     Bench(bench::BenchArgs),
     /// Measure what the gateway adds over the engine itself: throughput, latency and CPU per request.
@@ -69,6 +72,7 @@ fn main() -> ExitCode {
         Command::Route(args) => route::run(*args),
         Command::Simulate(args) => simulate::run(*args),
         Command::MockEngine(args) => mock_engine::run(args),
+        Command::DecodeSidecar(args) => decode_sidecar::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Overhead(args) => overhead::run(args),
     };

@@ -1,5 +1,7 @@
-//! Prefill/decode disaggregation end to end: `dprouter serve --prefill … --decode …` in front of mock engines in
-//! SGLang's PD roles (`mock-engine --disaggregation-mode prefill|decode`), all real processes on loopback.
+//! Prefill/decode disaggregation end to end, all real processes on loopback: mock engines in SGLang's PD roles
+//! (`mock-engine --disaggregation-mode prefill|decode`) behind `dprouter serve --prefill … --decode …`, or behind a
+//! real Envoy and `dprouter epp`, with `dprouter decode-sidecar` in front of each decode server running the prefill
+//! leg where the picker names it (`x-prefiller-host-port`).
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -7,6 +9,8 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use common::envoy::Envoy;
+use common::picker::Picker;
 use common::{cached_tokens, eventually, get, in_flight, post, read, send, Proc};
 use serde_json::{json, Value};
 
@@ -31,23 +35,93 @@ async fn prefill_arg(c: &common::HttpClient, prefill: &Proc) -> String {
     format!("{}:{}", prefill.url, info["disaggregation_bootstrap_port"])
 }
 
-/// A gateway in front of `prefills` and `decodes`, with `extra` flags (`--backend vllm` among them: the prefill
-/// servers are then named without a bootstrap port).
-async fn gateway(c: &common::HttpClient, prefills: &[&Proc], decodes: &[&Proc], extra: &[&str]) -> Proc {
+/// Where clients send their requests.
+#[derive(Clone, Copy, PartialEq)]
+enum Door {
+    /// `dprouter serve`.
+    Serve,
+    /// A real Envoy asking `dprouter epp`, with a `dprouter decode-sidecar` in front of each decode server.
+    Envoy,
+}
+
+/// The front door in front of a P/D fleet, and what it runs on.
+struct Front {
+    /// Where clients send requests.
+    url: String,
+    /// The gateway's or the picker's HTTP side (`/workers`).
+    admin: String,
+    _procs: Vec<Proc>,
+    _envoy: Option<Envoy>,
+}
+
+/// A front door of `door` in front of `prefills` and `decodes`, with `extra` flags for the gateway or picker
+/// (`--backend vllm` among them: the prefill servers are then named without a bootstrap port, and the sidecars
+/// pair the legs vLLM's way).
+async fn gateway(c: &common::HttpClient, prefills: &[&Proc], decodes: &[&Proc], extra: &[&str]) -> Front {
+    front(Door::Serve, c, prefills, decodes, extra).await
+}
+
+async fn front(door: Door, c: &common::HttpClient, prefills: &[&Proc], decodes: &[&Proc], extra: &[&str]) -> Front {
     let vllm = extra.contains(&"vllm");
+    let mut procs = Vec::new();
     let mut owned = Vec::new();
     for p in prefills {
         owned.push("--prefill".to_string());
         owned.push(if vllm { p.url.clone() } else { prefill_arg(c, p).await });
     }
     for d in decodes {
+        let url = match door {
+            Door::Serve => d.url.clone(),
+            Door::Envoy => {
+                let backend = if vllm { "vllm" } else { "sglang" };
+                let sidecar = Proc::start(&[
+                    "decode-sidecar",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--decode",
+                    &d.url,
+                    "--backend",
+                    backend,
+                ]);
+                let url = sidecar.url.clone();
+                procs.push(sidecar);
+                url
+            }
+        };
         owned.push("--decode".to_string());
-        owned.push(d.url.clone());
+        owned.push(url);
     }
-    let mut args: Vec<&str> = vec!["serve", "--listen", "127.0.0.1:0", "--poll-load-ms", "50"];
+    let mut args: Vec<&str> = vec!["--poll-load-ms", "50"];
     args.extend(owned.iter().map(String::as_str));
     args.extend_from_slice(extra);
-    Proc::start(&args)
+    match door {
+        Door::Serve => {
+            let mut serve = vec!["serve", "--listen", "127.0.0.1:0"];
+            serve.extend(args);
+            let gw = Proc::start(&serve);
+            let url = gw.url.clone();
+            procs.push(gw);
+            Front {
+                url: url.clone(),
+                admin: url,
+                _procs: procs,
+                _envoy: None,
+            }
+        }
+        Door::Envoy => {
+            let picker = Picker::start(&[], &args);
+            let name = format!("pd-{}", picker.grpc.rsplit(':').next().unwrap());
+            let envoy = Envoy::start(&name, &[&picker.grpc]).await;
+            envoy.wait_for_healthy_pickers(1).await;
+            procs.push(picker.proc);
+            Front {
+                url: envoy.url.clone(),
+                admin: procs.last().unwrap().url.clone(),
+                _procs: procs,
+                _envoy: Some(envoy),
+            }
+        }
+    }
 }
 
 /// Agent `agent`'s prompt at turn `turn`: its own 3,000-token system prompt, then 48 tokens per earlier turn.
@@ -71,9 +145,9 @@ async fn mock_load(c: &common::HttpClient, engine: &Proc) -> (u64, u64) {
 }
 
 /// Nothing left anywhere: no request in flight at the gateway, no room or request at a mock.
-async fn all_settled(c: &common::HttpClient, gateway: &Proc, engines: &[&Proc]) -> bool {
+async fn all_settled(c: &common::HttpClient, gateway: &Front, engines: &[&Proc]) -> bool {
     eventually(Duration::from_secs(10), || async {
-        if in_flight(c, &gateway.url).await != 0 {
+        if in_flight(c, &gateway.admin).await != 0 {
             return false;
         }
         for e in engines {
@@ -88,21 +162,41 @@ async fn all_settled(c: &common::HttpClient, gateway: &Proc, engines: &[&Proc]) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_hit_their_prefill_cache_while_decode_load_is_spread() {
-    agents(&[], &[]).await;
+    agents(Door::Serve, &[], &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agents_hit_their_prefill_cache_through_vllms_two_steps() {
-    agents(&["--api", "vllm"], &["--backend", "vllm", "--dp-size", "2"]).await;
+    agents(
+        Door::Serve,
+        &["--api", "vllm"],
+        &["--backend", "vllm", "--dp-size", "2"],
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_hit_their_prefill_cache_through_envoy_the_picker_and_decode_sidecars() {
+    agents(Door::Envoy, &[], &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agents_hit_their_prefill_cache_through_envoy_and_vllms_two_steps() {
+    agents(
+        Door::Envoy,
+        &["--api", "vllm"],
+        &["--backend", "vllm", "--dp-size", "2"],
+    )
+    .await;
 }
 
 /// Four agents of four turns each through two prefill and two decode mocks with DP 2 (`api` their flags) behind a
-/// gateway (with `flags`).
-async fn agents(api: &[&str], flags: &[&str]) {
+/// front door of `door` (with `flags`).
+async fn agents(door: Door, api: &[&str], flags: &[&str]) {
     let c = common::client();
     let (p1, p2) = (mock("prefill", "2", api), mock("prefill", "2", api));
     let (d1, d2) = (mock("decode", "2", api), mock("decode", "2", api));
-    let gw = gateway(&c, &[&p1, &p2], &[&d1, &d2], flags).await;
+    let gw = front(door, &c, &[&p1, &p2], &[&d1, &d2], flags).await;
 
     let agents = (0..4u32).map(|agent| {
         let c = c.clone();
@@ -178,11 +272,20 @@ async fn agents(api: &[&str], flags: &[&str]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_prefill_leg_gives_a_clear_error_and_leaves_no_decode_leg_waiting() {
+    failing_prefill(Door::Serve).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_prefill_leg_behind_envoy_gives_a_clear_error_and_leaves_no_decode_leg_waiting() {
+    failing_prefill(Door::Envoy).await;
+}
+
+async fn failing_prefill(door: Door) {
     let c = common::client();
     let failing = mock("prefill", "2", &["--error-rate", "1"]);
     let decode = mock("decode", "2", &[]);
-    let gw = gateway(&c, &[&failing], &[&decode], &[]).await;
-    for stream in [false, true] {
+    let gw = front(door, &c, &[&failing], &[&decode], &[]).await;
+    for stream in [false, true, false, false] {
         let body = json!({"prompt": prompt(0, 0), "max_tokens": 4, "stream": stream});
         let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
         // A stream's head may come from the decode server before the prefill leg fails: the stream then ends with
@@ -200,6 +303,14 @@ async fn a_failing_prefill_leg_gives_a_clear_error_and_leaves_no_decode_leg_wait
         assert_eq!(error["code"], 502, "{error}");
         assert!(message.contains("prefill leg") && message.contains("500"), "{message}");
     }
+    // The failures count against the prefill endpoint (three in a row eject it), never the decode one.
+    let workers = get(&c, &format!("{}/workers", gw.admin)).await.json;
+    let ejections = |worker: usize| -> u64 {
+        let endpoints = workers["workers"][worker]["endpoints"].as_array().unwrap();
+        endpoints.iter().map(|e| e["ejections"].as_u64().unwrap()).sum()
+    };
+    assert!(ejections(0) >= 1, "{workers}");
+    assert_eq!(ejections(1), 0, "{workers}");
     assert!(
         all_settled(&c, &gw, &[&failing, &decode]).await,
         "something was left in flight"
@@ -224,11 +335,20 @@ async fn a_bootstrap_that_never_answers_fails_the_request_and_frees_the_room() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_hangs_up_cancels_both_legs() {
+    hang_up(Door::Serve).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_hangs_up_on_envoy_cancels_both_legs() {
+    hang_up(Door::Envoy).await;
+}
+
+async fn hang_up(door: Door) {
     let c = common::client();
     // Slow decoding: the answer is still streaming when the client goes.
     let prefill = mock("prefill", "1", &[]);
     let decode = mock("decode", "1", &["--tpot-ms", "200"]);
-    let gw = gateway(&c, &[&prefill], &[&decode], &[]).await;
+    let gw = front(door, &c, &[&prefill], &[&decode], &[]).await;
     let body = json!({"prompt": prompt(2, 0), "max_tokens": 50, "stream": true});
     let response = send(&c, &format!("{}/v1/completions", gw.url), &[], body.to_string()).await;
     assert_eq!(response.status(), 200);
@@ -310,7 +430,7 @@ async fn a_failing_vllm_prefill_leaves_the_decode_server_to_prefill() {
         let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &body).await;
         assert_eq!(reply.status, 200, "{}", reply.text);
     }
-    assert_eq!(in_flight(&c, &gw.url).await, 0);
+    assert_eq!(in_flight(&c, &gw.admin).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,4 +479,54 @@ async fn a_vllm_request_with_little_left_to_prefill_goes_to_its_decode_server_al
         all_settled(&c, &gw, &[&prefill, &decode]).await,
         "something was left in flight"
     );
+}
+
+/// The sidecar behind another picker (llm-d's EPP names only the prefill endpoint): it draws the room and names the
+/// prefill server's address and its `--bootstrap-port`; a header that is no `ip:port` is refused; other requests go
+/// to the decode server as they came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_sidecar_pairs_the_legs_of_a_request_another_picker_sent() {
+    let c = common::client();
+    // One prefill rank: a room drawn at random names any rank of the prefill server.
+    let prefill = mock("prefill", "1", &[]);
+    let decode = mock("decode", "1", &[]);
+    let bootstrap = prefill_arg(&c, &prefill).await.rsplit(':').next().unwrap().to_string();
+    let sidecar = Proc::start(&[
+        "decode-sidecar",
+        "--listen",
+        "127.0.0.1:0",
+        "--decode",
+        &decode.url,
+        "--bootstrap-port",
+        &bootstrap,
+    ]);
+    let at = prefill.url.trim_start_matches("http://");
+    let url = format!("{}/v1/completions", sidecar.url);
+    for stream in [false, true] {
+        let body = json!({"prompt": prompt(8, 0), "max_tokens": 4, "stream": stream,
+                          "stream_options": {"include_usage": true}});
+        let reply = post(&c, &url, &[("x-prefiller-host-port", at)], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+    }
+    // The second time the prefill server had the prompt cached, and the decode server took both KV transfers.
+    let body = json!({"prompt": prompt(8, 0), "max_tokens": 4});
+    let reply = post(&c, &url, &[("x-prefiller-host-port", at)], &body).await;
+    assert!(cached_tokens(&reply).unwrap() > 2900, "{}", reply.text);
+    let info = get(&c, &format!("{}/get_server_info", sidecar.url)).await;
+    assert_eq!(info.json["disaggregation_mode"], "decode", "{}", info.text);
+    assert_eq!(info.json["kv_transfers"], 3);
+    let bad = post(&c, &url, &[("x-prefiller-host-port", "prefill-0:8000")], &body).await;
+    assert_eq!(bad.status, 400, "{}", bad.text);
+    assert!(
+        bad.json["error"]["message"].as_str().unwrap().contains("ip:port"),
+        "{}",
+        bad.text
+    );
+    // Without the header the decode server gets the request alone, and refuses it as SGLang does (no room).
+    let alone = post(&c, &url, &[], &body).await;
+    assert_eq!(alone.status, 400, "{}", alone.text);
+    assert!(alone.text.contains("without bootstrap room id"), "{}", alone.text);
+    for engine in [&prefill, &decode] {
+        assert_eq!(mock_load(&c, engine).await, (0, 0));
+    }
 }

@@ -31,6 +31,7 @@ use dprouter_gateway::registry::{Failure, Membership, Target};
 use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
 use dprouter_gateway::spans::RequestSpan;
 use dprouter_gateway::trace_context;
+use dprouter_gateway::{legs, sidecar};
 use dprouter_gateway::{proxy, server, ApiError, AppState};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
@@ -493,19 +494,23 @@ impl Stream {
         let routed = routing::route(state, &path, &header_map, body, &allowed)
             .await
             .map_err(End::Answer)?;
-        if routed.pair.is_some() {
-            return Err(End::Answer(ApiError::Unavailable(
-                "prefill/decode disaggregation is not served by `dprouter epp` yet: front the prefill and decode \
-                 workers with `dprouter serve` (docs/disaggregation.md)"
-                    .into(),
-            )));
-        }
         let target = routed.target().clone();
         let address = address(&target).ok_or(End::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);
         let length: usize = pieces.iter().map(Bytes::len).sum();
-        let (mut set, remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
+        let (mut set, mut remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
         set.push(protocol::set_header("content-length", length.to_string()));
+        if let Some(prefill) = routed.prefill_target() {
+            // A disaggregated request goes to its decode endpoint, whose sidecar runs the prefill leg there
+            // (`dprouter decode-sidecar`, or llm-d's): SGLang's bootstrap fields are in the body already.
+            let at = self::address(prefill).ok_or(End::Gone)?;
+            set.push(protocol::set_header(sidecar::PREFILLER_HEADER, at.to_string()));
+            set.push(protocol::set_header(
+                sidecar::PREFILL_RANK_HEADER,
+                prefill.id.dp_rank.to_string(),
+            ));
+            remove.retain(|name| name != sidecar::PREFILLER_HEADER && name != sidecar::PREFILL_RANK_HEADER);
+        }
         self.trace_header(&mut set);
         let destination = self.destination(&routed, &target, address, &allowed);
         self.send(protocol::request_headers_reply(&destination, set, remove))
@@ -572,14 +577,29 @@ impl Stream {
         }
         let label = sent.target.label();
         let branch = sent.routed.as_ref().map(|r| r.ticket.pick.branch);
+        // A decode sidecar that answers for its prefill leg's failure says so: that leg's endpoint failed.
+        let prefill_failed = protocol::header(headers, sidecar::FAILED_LEG_HEADER) == Some("prefill");
+        let prefill = sent.routed.as_ref().and_then(|r| {
+            let ticket = r.pair.as_ref()?.ticket.as_ref()?;
+            Some((r.prefill_target()?.id, ticket.pick.branch))
+        });
         if status >= 500 {
+            let (id, branch) = match prefill.filter(|_| prefill_failed) {
+                Some((id, branch)) => (id, Some(branch)),
+                None => (sent.target.id, branch),
+            };
             let failure = branch.map_or(Failure::Engine, Failure::engine);
-            state.registry.record_failure(sent.target.id, failure, Instant::now());
+            state.registry.record_failure(id, failure, Instant::now());
         } else if (200..300).contains(&status) {
             sent.target.state.record_success();
         }
         let sse = protocol::header(headers, "content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-        let feedback = sent.routed.take().map(|routed| {
+        let mut set = vec![protocol::set_header(protocol::ENDPOINT_HEADER, label.clone())];
+        if let Some(prefill) = sent.routed.as_ref().and_then(Routed::prefill_target) {
+            set.push(protocol::set_header(legs::PREFILL_ENDPOINT_HEADER, prefill.label()));
+        }
+        let feedback = sent.routed.take().map(|mut routed| {
+            let prefill = routed.pair.as_mut().and_then(|pair| pair.ticket.take());
             let exchange = Exchange::new();
             exchange.routed(dprouter_gateway::access::Routing {
                 endpoint: label.clone(),
@@ -591,14 +611,14 @@ impl Stream {
             });
             let remember = routed.responses_api && (200..300).contains(&status);
             let _ = self.trace.exchange.set(exchange.clone());
-            let feedback = Feedback::new(routed.ticket, sse, received, exchange);
+            let feedback = Feedback::new(routed.ticket, sse, received, exchange).with_prefill_leg(prefill);
             if remember {
                 feedback.remembering_the_response(Arc::clone(&state.responses))
             } else {
                 feedback
             }
         });
-        let reply = protocol::response_headers_reply(vec![protocol::set_header(protocol::ENDPOINT_HEADER, label)]);
+        let reply = protocol::response_headers_reply(set);
         (reply, feedback)
     }
 
@@ -664,7 +684,11 @@ fn rank_headers(
         None if protocol::header(client, RANK_HEADER).is_some() => remove.push(RANK_HEADER.to_string()),
         None => {}
     }
-    for name in ["accept-encoding", protocol::SERVED] {
+    // A client never steers a decode sidecar's prefill leg (the picker names the prefill endpoint itself).
+    let names = ["accept-encoding", protocol::SERVED]
+        .into_iter()
+        .chain(sidecar::PREFILL_HEADERS);
+    for name in names {
         if protocol::header(client, name).is_some() {
             remove.push(name.to_string());
         }

@@ -66,6 +66,9 @@ pub struct Feedback {
     exchange: Exchange,
     /// Where a Responses answer's id goes, once read.
     homes: Option<Arc<ResponseHomes>>,
+    /// A disaggregated request's prefill leg that runs where the answer's carrier cannot see it
+    /// ([`Feedback::with_prefill_leg`]).
+    prefill: Option<Box<GatewayTicket>>,
 }
 
 /// The cached tokens the policy predicted for the ticket's request, when it predicted.
@@ -91,7 +94,17 @@ impl Feedback {
             scanner: UsageScanner::new(sse),
             exchange,
             homes: None,
+            prefill: None,
         }
+    }
+
+    /// Holds the ticket of a prefill leg run by someone else (a decode sidecar behind a data plane) until the
+    /// answer's first byte: by then the prefill is over and its KV cache transferred, so the prefill endpoint's
+    /// load is released. Its usage report is never seen: the prefill policy learns from its own pick (and from the
+    /// prefill servers' KV events, when they publish them).
+    pub fn with_prefill_leg(mut self, prefill: Option<GatewayTicket>) -> Self {
+        self.prefill = prefill.map(Box::new);
+        self
     }
 
     /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
@@ -126,6 +139,9 @@ impl Feedback {
             // The engine finished prefill: the request's queued-prefill share is released.
             if let Some(ticket) = self.ticket.as_mut() {
                 ticket.first_token(crate::clock::now_us());
+            }
+            if let Some(mut prefill) = self.prefill.take() {
+                prefill.first_token(crate::clock::now_us());
             }
             if self.sse {
                 let ttft = self.received.elapsed().as_secs_f64();
@@ -163,11 +179,13 @@ impl Feedback {
             self.report(usage);
         }
         self.ticket = None;
+        self.prefill = None;
     }
 
     /// The answer ends as `status` (it broke, stalled or was cut) and the ticket with it.
     pub fn failed(&mut self, status: u16) {
         self.ticket = None;
+        self.prefill = None;
         self.exchange.failed(status);
     }
 

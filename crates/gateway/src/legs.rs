@@ -505,7 +505,7 @@ fn decode_alone(endpoint: &str, why: &str) {
 }
 
 /// The `kv_transfer_params` of a vLLM answer, as JSON, when it has any.
-fn kv_transfer_params(answer: &[u8]) -> Option<Bytes> {
+pub(crate) fn kv_transfer_params(answer: &[u8]) -> Option<Bytes> {
     #[derive(serde::Deserialize)]
     struct Answer {
         kv_transfer_params: Option<serde_json::Value>,
@@ -539,7 +539,7 @@ fn pair_again(routed: &mut Routed, ticket: GatewayTicket) {
 }
 
 /// A prefill server's 4xx, as it came (a JSON body, or the gateway's own error body around its text).
-fn client_error(status: u16, body: Bytes) -> Response {
+pub(crate) fn client_error(status: u16, body: Bytes) -> Response {
     let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_REQUEST);
     if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
         let mut out = (status, body).into_response();

@@ -22,7 +22,8 @@
 //!    [`crate::kubernetes`] and [`crate::dns`] (what they find, on a channel).
 //! 4. [`crate::state`]: the parts together, for the handlers.
 //! 5. What serves requests over the state: [`crate::discovery`] (found workers into the registry), [`crate::health`], [`crate::body`], [`crate::responses`],
-//!    [`crate::routing`] (one request's decision, for the proxy and the Endpoint Picker), [`crate::proxy`], [`crate::listener`].
+//!    [`crate::routing`] (one request's decision, for the proxy and the Endpoint Picker), [`crate::proxy`], [`crate::listener`],
+//!    [`crate::sidecar`] (a disaggregated request's prefill leg beside its decode server, for a picker).
 //! 6. [`crate::server`]: the routes, the admin API and `serve`.
 //!
 //! The workspace's `tests/layers.rs` fails on an import cycle in any crate.
@@ -57,6 +58,7 @@ pub mod responses;
 pub mod routing;
 pub mod runtime;
 pub mod server;
+pub mod sidecar;
 pub mod spans;
 pub mod state;
 pub mod telemetry;

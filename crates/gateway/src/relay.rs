@@ -130,7 +130,7 @@ pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket
 
 /// Response headers the client never gets from a worker: hop-by-hop ones (RFC 9110 §7.6.1; the length is the
 /// gateway's own framing) and cookies, which a worker has no business setting on the gateway's origin.
-fn is_hop_by_hop(name: &HeaderName) -> bool {
+pub(crate) fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "set-cookie"
