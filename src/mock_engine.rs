@@ -55,6 +55,10 @@ pub struct MockEngineArgs {
     /// tokens (drawn from the seed and the request).
     #[arg(long, default_value_t = 0.0)]
     drop_rate: f64,
+    /// Require `Authorization: Bearer KEY` as the engines' `--api-key` does (SGLang: every route but /health*
+    /// and /metrics; vLLM: the /v1 routes).
+    #[arg(long)]
+    api_key: Option<String>,
     /// Fault: delay the first byte of every generation response, milliseconds (real time).
     #[arg(long, default_value_t = 0)]
     first_byte_delay_ms: u64,
@@ -158,6 +162,7 @@ impl MockEngineArgs {
             },
             context_length: self.context_length,
             disaggregation: self.disaggregation()?,
+            api_key: self.api_key.clone(),
         })
     }
 

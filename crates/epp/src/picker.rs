@@ -26,6 +26,7 @@ use bytes::Bytes;
 use dprouter_gateway::access::Exchange;
 use dprouter_gateway::body::Feedback;
 use dprouter_gateway::body_budget::Held;
+use dprouter_gateway::clients::Client;
 use dprouter_gateway::error::add_ids;
 use dprouter_gateway::registry::{Failure, Membership, Target};
 use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
@@ -133,6 +134,8 @@ struct Gone;
 
 /// A request whose headers have arrived and whose body is arriving.
 struct Arriving {
+    /// The client whose key the request carries, when clients are configured.
+    client: Option<Arc<Client>>,
     headers: Vec<(String, Vec<u8>)>,
     subset: Option<Vec<Allowed>>,
     body: Vec<u8>,
@@ -213,7 +216,8 @@ impl Stream {
                     self.trace.request_id.get().map(String::as_str),
                     trace_id.as_deref(),
                 );
-                let _ = self.send(protocol::immediate(err.status().as_u16(), &body)).await;
+                let reply = protocol::immediate(err.status().as_u16(), &body, err.retry_after());
+                let _ = self.send(reply).await;
             }
             Err(End::Grpc(grpc)) => {
                 tracing::debug!(code = ?grpc.code(), message = grpc.message(), "ext_proc stream ended");
@@ -301,7 +305,10 @@ impl Stream {
                     }
                     route.map_err(End::Answer)?;
                     first_byte = proxy::first_byte_timeout(&state, &map).map_err(End::Answer)?;
+                    // Who calls, before its body is held.
+                    let client = state.clients.admit(&map).map_err(End::Answer)?;
                     let arriving = Arriving {
+                        client,
                         subset: protocol::subset_hint(metadata),
                         headers,
                         body: Vec::new(),
@@ -449,11 +456,13 @@ impl Stream {
     /// from); its body, if it had one, goes on unchanged.
     async fn route(&self, arriving: Arriving, trailers: bool) -> Result<Sent, End> {
         let Arriving {
+            client,
             headers,
             subset,
             body,
             held,
         } = arriving;
+        let keyed = client.is_some();
         let state = &self.picker.state;
         let path = protocol::header(&headers, ":path").unwrap_or("/").to_string();
         let takes_body = protocol::header(&headers, ":method") == Some("POST");
@@ -475,7 +484,7 @@ impl Stream {
             )))?;
             let target = membership.targets[rank].clone();
             let address = address(&target).ok_or(End::Gone)?;
-            let (mut set, remove) = rank_headers(&target, None, &headers);
+            let (mut set, remove) = rank_headers(&target, None, &headers, keyed);
             self.trace_header(&mut set);
             self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
                 .await?;
@@ -491,14 +500,14 @@ impl Stream {
             });
         }
         routing::check_content_type(&header_map).map_err(End::Answer)?;
-        let routed = routing::route(state, &path, &header_map, body, &allowed)
+        let routed = routing::route(state, (&path, &header_map), body, client, &allowed)
             .await
             .map_err(End::Answer)?;
         let target = routed.target().clone();
         let address = address(&target).ok_or(End::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);
         let length: usize = pieces.iter().map(Bytes::len).sum();
-        let (mut set, mut remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers);
+        let (mut set, mut remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers, keyed);
         set.push(protocol::set_header("content-length", length.to_string()));
         if let Some(prefill) = routed.prefill_target() {
             // A disaggregated request goes to its decode endpoint, whose sidecar runs the prefill leg there
@@ -664,11 +673,13 @@ fn undecodable(status: Status) -> End {
 }
 
 /// The headers to set and remove so that the endpoint gets its rank the way its backend reads it (`rank`, a
-/// header), never the client's, and an answer the picker can read (no compression: usage reports stay visible).
+/// header), never the client's, its own key (never a `keyed` client's), and an answer the picker can read (no
+/// compression: usage reports stay visible).
 fn rank_headers(
     target: &Target,
     rank: Option<u32>,
     client: &[(String, Vec<u8>)],
+    keyed: bool,
 ) -> (
     Vec<envoy_types::pb::envoy::config::core::v3::HeaderValueOption>,
     Vec<String>,
@@ -682,6 +693,13 @@ fn rank_headers(
     match rank {
         Some(rank) => set.push(protocol::set_header(RANK_HEADER, rank.to_string())),
         None if protocol::header(client, RANK_HEADER).is_some() => remove.push(RANK_HEADER.to_string()),
+        None => {}
+    }
+    // The worker's own key, else the client's as it came unless the client was keyed (a client's key never
+    // reaches an engine), as `serve` sends it.
+    match &target.auth {
+        Some(own) => set.push(protocol::set_header("authorization", own.as_bytes())),
+        None if keyed && protocol::header(client, "authorization").is_some() => remove.push("authorization".into()),
         None => {}
     }
     // A client never steers a decode sidecar's prefill leg (the picker names the prefill endpoint itself).

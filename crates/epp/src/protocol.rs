@@ -250,14 +250,18 @@ pub fn trailers_reply(request: bool) -> ProcessingResponse {
 }
 
 /// The data plane answers the client itself with `status` and the JSON `body` (an OpenAI-style error).
-pub fn immediate(status: u16, body: &serde_json::Value) -> ProcessingResponse {
+pub fn immediate(status: u16, body: &serde_json::Value, retry_after: Option<u64>) -> ProcessingResponse {
+    let mut set_headers = vec![set_header("content-type", "application/json")];
+    if let Some(seconds) = retry_after {
+        set_headers.push(set_header("retry-after", seconds.to_string()));
+    }
     ProcessingResponse {
         response: Some(processing_response::Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus {
                 code: i32::from(status),
             }),
             headers: Some(HeaderMutation {
-                set_headers: vec![set_header("content-type", "application/json")],
+                set_headers,
                 remove_headers: Vec::new(),
             }),
             body: body.to_string().into_bytes(),
@@ -395,11 +399,21 @@ mod tests {
 
     #[test]
     fn immediate_answers_carry_the_status_and_a_json_body() {
-        let reply = immediate(503, &serde_json::json!({"error": {"code": 503}}));
+        let reply = immediate(503, &serde_json::json!({"error": {"code": 503}}), None);
         let Some(processing_response::Response::ImmediateResponse(i)) = &reply.response else {
             panic!()
         };
         assert_eq!(i.status.as_ref().unwrap().code, 503);
         assert_eq!(i.body, br#"{"error":{"code":503}}"#);
+        let names = |reply: &ProcessingResponse| -> Vec<String> {
+            let Some(processing_response::Response::ImmediateResponse(i)) = &reply.response else {
+                panic!()
+            };
+            let set = &i.headers.as_ref().unwrap().set_headers;
+            set.iter().map(|h| h.header.as_ref().unwrap().key.clone()).collect()
+        };
+        assert_eq!(names(&reply), ["content-type"]);
+        let limited = immediate(429, &serde_json::json!({}), Some(7));
+        assert_eq!(names(&limited), ["content-type", "retry-after"]);
     }
 }

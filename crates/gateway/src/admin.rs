@@ -284,7 +284,11 @@ pub(crate) async fn flush_cache(State(state): State<Arc<AppState>>) -> Response 
     let workers = state.registry.workers_of(Backend::Sglang);
     let timeout = Duration::from_millis(state.config.health.timeout_ms.max(5000));
     let urls: Vec<String> = workers.iter().map(|w| format!("{}/flush_cache", w.url)).collect();
-    let answers = join_all(urls.iter().map(|u| state.upstream.post_empty(u, timeout))).await;
+    let asked = urls
+        .iter()
+        .zip(&workers)
+        .map(|(u, w)| state.upstream.post_empty(u, w.auth.as_ref(), timeout));
+    let answers = join_all(asked).await;
     let mut all_ok = true;
     let results: Vec<Value> = workers
         .iter()

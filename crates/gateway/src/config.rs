@@ -235,8 +235,11 @@ pub struct GatewayConfig {
     /// loopback clients (403 to the others). Must not be empty.
     pub admin_key: Option<String>,
     /// Honour a client's `routed_dp_rank` / `data_parallel_rank` / `X-Data-Parallel-Rank`. Turn off for
-    /// multi-tenant deployments: the fields are then ignored and stripped.
+    /// multi-tenant deployments: the fields are then ignored and stripped. With clients configured, only those
+    /// allowed to (`allow_pins`) may pin.
     pub allow_client_overrides: bool,
+    /// The clients (`[[clients]]`): with any, inference requests need one's API key ([`crate::clients`]).
+    pub clients: Vec<crate::client_config::ClientConfig>,
     /// A request header that names the client's session (e.g. `x-session-id`): requests with the same value prefer
     /// the same endpoint under `prefix_affinity` and `cache_aware`, as OpenAI's `prompt_cache_key` body field does
     /// (which wins when both are given). Unset: no header is read.
@@ -292,6 +295,7 @@ impl Default for GatewayConfig {
             max_buffered_body_bytes: None,
             admin_key: None,
             allow_client_overrides: true,
+            clients: Vec::new(),
             session_header: None,
             model_aliases: Default::default(),
             tokenizer: None,
@@ -400,6 +404,7 @@ impl GatewayConfig {
             }
         }
         self.discovery.validate()?;
+        crate::client_config::validate_clients(&self.clients).map_err(ConfigError::Invalid)?;
         for (table, routing) in [
             ("routing", &self.routing),
             ("prefill_routing", &self.prefill_routing),

@@ -320,3 +320,19 @@ fn unknown_fields_and_policies_are_errors() {
         assert!(err.contains(needle), "{text}: {err}");
     }
 }
+
+#[test]
+fn the_clients_docs_example_parses() {
+    let doc = include_str!("../../../docs/operations.md");
+    let section = doc.split("## Clients and keys").nth(1).unwrap();
+    let text = section.split("```toml").nth(1).unwrap().split("```").next().unwrap();
+    let config = GatewayConfig::from_toml(text).unwrap();
+    config.validate().unwrap();
+    let client = &config.clients[0];
+    assert_eq!(client.requests_per_second, Some(20.0));
+    assert_eq!(client.burst, Some(40));
+    assert_eq!(client.models, ["llama-3.1-8b"]);
+    assert!(config.workers[0].api_key.is_some());
+    // The key is never shown.
+    assert!(!format!("{:?}", config.workers[0]).contains("\"...\""));
+}

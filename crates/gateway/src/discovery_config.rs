@@ -221,6 +221,9 @@ pub struct WorkerTemplate {
     pub kv_events_port: Option<u16>,
     /// The port rank 0 answers replays at.
     pub kv_events_replay_port: Option<u16>,
+    /// The workers' own API key, as a worker's `api_key`.
+    #[serde(skip_serializing)]
+    pub api_key: Option<crate::worker_config::ApiKey>,
 }
 
 impl WorkerTemplate {
@@ -307,6 +310,7 @@ impl WorkerTemplate {
             kv_events: events_port.map(zmq),
             kv_events_bind: None,
             kv_events_replay: events_port.and(replay_port).map(zmq),
+            api_key: self.api_key.clone(),
         })
     }
 }

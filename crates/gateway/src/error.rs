@@ -30,6 +30,15 @@ pub enum ApiError {
     ModelNotFound(String),
     #[error("missing or wrong admin key")]
     Unauthorized,
+    /// A client key missing or unknown, where clients are configured.
+    #[error("{0}")]
+    NoClientKey(String),
+    /// A client over its rate limit: retry after this many seconds (none: never, as asked).
+    #[error("{message}")]
+    RateLimited {
+        message: String,
+        retry_after_s: Option<u64>,
+    },
     #[error("{0}")]
     Forbidden(String),
     #[error("{0}")]
@@ -61,7 +70,8 @@ impl ApiError {
             ApiError::UriTooLong(_) => StatusCode::URI_TOO_LONG,
             ApiError::HeadersTooLarge(_) => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::NotFound(_) | ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Unauthorized | ApiError::NoClientKey(_) => StatusCode::UNAUTHORIZED,
+            ApiError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Route(e) if e.is_client_error() => StatusCode::BAD_REQUEST,
@@ -84,8 +94,17 @@ impl ApiError {
             StatusCode::UNAUTHORIZED => "authentication_error",
             StatusCode::FORBIDDEN => "permission_error",
             StatusCode::CONFLICT => "conflict_error",
+            StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => "upstream_error",
             _ => "service_unavailable_error",
+        }
+    }
+
+    /// The seconds a client should wait before it tries again (`Retry-After`), when the error says.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            ApiError::RateLimited { retry_after_s, .. } => *retry_after_s,
+            _ => None,
         }
     }
 
@@ -132,6 +151,11 @@ impl IntoResponse for ApiError {
         let body = self.body();
         let mut response = (self.status(), Json(&body)).into_response();
         response.extensions_mut().insert(ErrorBody(body));
+        if let Some(after) = self.retry_after() {
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, axum::http::HeaderValue::from(after));
+        }
         if matches!(self, ApiError::TooLarge { .. }) {
             // The rest of a refused body may still be on its way: the connection is not reused.
             response.headers_mut().insert(
@@ -161,6 +185,15 @@ mod tests {
             (ApiError::NotFound("x".into()), 404, "not_found_error"),
             (ApiError::ModelNotFound("x".into()), 404, "not_found_error"),
             (ApiError::Unauthorized, 401, "authentication_error"),
+            (ApiError::NoClientKey("x".into()), 401, "authentication_error"),
+            (
+                ApiError::RateLimited {
+                    message: "x".into(),
+                    retry_after_s: Some(2),
+                },
+                429,
+                "rate_limit_error",
+            ),
             (ApiError::Forbidden("x".into()), 403, "permission_error"),
             (ApiError::Conflict("x".into()), 409, "conflict_error"),
             (

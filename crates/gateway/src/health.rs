@@ -222,7 +222,7 @@ impl Prober {
 
     async fn probe_one(&self, w: &WorkerState) -> Outcome {
         let state = &self.state;
-        let result = state.upstream.probe(&w.url, self.timeout).await;
+        let result = state.upstream.probe(&w.url, w.auth.as_ref(), self.timeout).await;
         if let Some(config) = &w.unprobed {
             // Found by discovery: routable once it answers, and once it says what it serves.
             if let Err(reason) = &result {
@@ -337,7 +337,11 @@ async fn load_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
         async move {
             let workers = state.registry.workers_of(Backend::Sglang);
             let urls: Vec<String> = workers.iter().map(|w| format!("{}/get_load", w.url)).collect();
-            let answers = join_all(urls.iter().map(|u| state.upstream.get_json(u, timeout))).await;
+            let asked = urls
+                .iter()
+                .zip(&workers)
+                .map(|(u, w)| state.upstream.get_json(u, w.auth.as_ref(), timeout));
+            let answers = join_all(asked).await;
             for (w, answer) in workers.iter().zip(answers) {
                 let Ok(Value::Array(ranks)) = answer else { continue };
                 for rank in &ranks {

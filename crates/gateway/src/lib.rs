@@ -32,6 +32,8 @@ pub mod access;
 pub mod admin;
 pub mod body;
 pub mod body_budget;
+pub mod client_config;
+pub mod clients;
 pub mod clock;
 pub mod config;
 pub mod discovery;

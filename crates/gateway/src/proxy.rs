@@ -121,9 +121,12 @@ fn upstream_path(uri: &axum::http::Uri) -> String {
 async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> Result<Response, ApiError> {
     let (parts, body) = request.into_parts();
     let path_and_query = upstream_path(&parts.uri);
+    // Who calls, before its body is read: an unknown client's body is never held.
+    let client = state.clients.admit(&parts.headers)?;
     let bytes = read_body(state, &parts.headers, body).await?;
     let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
-    let mut routed = crate::routing::route(state, &path_and_query, &parts.headers, bytes, &|_| true).await?;
+    let route = (path_and_query.as_str(), &parts.headers);
+    let mut routed = crate::routing::route(state, route, bytes, client, &|_| true).await?;
     let membership = Arc::clone(&routed.membership);
     let span = parts
         .extensions

@@ -59,6 +59,8 @@ pub struct Target {
     pub models: Arc<[String]>,
     /// Where its worker's ranks publish KV events, when it was given them.
     pub events: Option<Arc<WorkerEvents>>,
+    /// `Authorization` for requests to its worker (the worker's `api_key`), when it has one.
+    pub auth: Option<hyper::header::HeaderValue>,
 }
 
 impl Target {
@@ -223,6 +225,8 @@ pub struct WorkerState {
     pub models: Arc<[String]>,
     /// Where its ranks publish KV events, when it was given them.
     pub events: Option<Arc<WorkerEvents>>,
+    /// `Authorization` for every request to it (its `api_key`), when it has one.
+    pub auth: Option<hyper::header::HeaderValue>,
     pub endpoints: Vec<Arc<EndpointState>>,
     /// Found by discovery and not probed yet (its description, to ask its models when its first probe passes):
     /// not routable until then ([`Registry::admit`]).
@@ -257,6 +261,7 @@ impl WorkerState {
             kv_capacity: config.kv_capacity_tokens.or(info.kv_capacity),
             models: info.models.into(),
             events: config.events().map(Arc::new),
+            auth: config.api_key.as_ref().and_then(|k| k.bearer()),
             endpoints: (0..info.dp_size)
                 .map(|rank| {
                     Arc::new(EndpointState::new(EndpointId {
@@ -725,6 +730,7 @@ impl Registry {
                     state: Arc::clone(e),
                     models: Arc::clone(&w.models),
                     events: w.events.clone(),
+                    auth: w.auth.clone(),
                 });
             }
         }

@@ -25,8 +25,7 @@ use crate::upstream::{Chunks, UpstreamError};
 /// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here, but the
 /// trace context: [`crate::trace_context`]); the request id is always there (the client's or a generated one).
 /// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
-const FORWARDED_HEADERS: [HeaderName; 4] = [
-    header::AUTHORIZATION,
+const FORWARDED_HEADERS: [HeaderName; 3] = [
     header::ACCEPT,
     header::USER_AGENT,
     HeaderName::from_static(crate::names::REQUEST_ID),
@@ -49,6 +48,9 @@ pub(crate) fn upstream_request(
             builder = builder.header(name, v);
         }
     }
+    if let Some(auth) = authorization(routed.client.is_some(), target, headers) {
+        builder = builder.header(header::AUTHORIZATION, auth);
+    }
     for (name, value) in crate::trace_context::propagated(headers, traceparent) {
         builder = builder.header(name, value);
     }
@@ -59,6 +61,16 @@ pub(crate) fn upstream_request(
     builder
         .body(Chunks::new(pieces))
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
+}
+
+/// The `Authorization` a worker gets: its own key's, when it has one; else the client's as it came, unless the
+/// client was keyed (`keyed`: clients are configured, and a client's key never reaches an engine).
+pub fn authorization<'a>(keyed: bool, target: &'a Target, client: &'a HeaderMap) -> Option<&'a HeaderValue> {
+    match &target.auth {
+        Some(own) => Some(own),
+        None if keyed => None,
+        None => client.get(header::AUTHORIZATION),
+    }
 }
 
 /// An engine's answer, and what the gateway knows of how it came.

@@ -21,19 +21,17 @@ use axum::http::{header, HeaderName};
 use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
+use crate::relay::authorization;
 use crate::response_homes::REMEMBERED;
 use crate::state::AppState;
 
-/// Client headers a stored-response request takes to the worker.
-const FORWARDED: [HeaderName; 3] = [
-    header::AUTHORIZATION,
-    header::ACCEPT,
-    HeaderName::from_static(crate::names::REQUEST_ID),
-];
+/// Client headers a stored-response request takes to the worker (and `Authorization` as [`authorization`] says).
+const FORWARDED: [HeaderName; 2] = [header::ACCEPT, HeaderName::from_static(crate::names::REQUEST_ID)];
 
 /// `GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`: to
 /// the worker that made the response, answered as it answers.
 pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Result<Response, ApiError> {
+    let client = state.clients.admit(request.headers())?;
     let path_and_query = request.uri().path_and_query().map_or("", |p| p.as_str()).to_string();
     let id = request
         .uri()
@@ -61,6 +59,9 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         if let Some(v) = request.headers().get(name) {
             upstream = upstream.header(name, v);
         }
+    }
+    if let Some(auth) = authorization(client.is_some(), target, request.headers()) {
+        upstream = upstream.header(header::AUTHORIZATION, auth);
     }
     let span = request.extensions().get::<crate::spans::RequestSpan>().cloned();
     let attempt = span.map(|s| s.attempt(&target.label(), target.id.dp_rank, 1));

@@ -11,6 +11,7 @@ use dprouter_core::request_body::{parse_body, Layout, MemberKind, Piece, Request
 use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
 
 use crate::body::GatewayTicket;
+use crate::clients::Client;
 use crate::config::{Backend, Role};
 use crate::error::ApiError;
 use crate::registry::{Membership, Target};
@@ -41,6 +42,8 @@ pub struct Routed {
     pub responses_api: bool,
     /// A disaggregated request's prefill leg (`ticket` is then the decode leg's).
     pub pair: Option<Box<crate::pairing::Pair>>,
+    /// The client whose key the request carried, when clients are configured.
+    pub client: Option<Arc<Client>>,
 }
 
 impl Routed {
@@ -150,18 +153,23 @@ pub fn injects_rank(target: &Target) -> bool {
 /// Picker). Counts the decision.
 pub async fn route(
     state: &Arc<AppState>,
-    path: &str,
-    headers: &HeaderMap,
+    (path, headers): (&str, &HeaderMap),
     bytes: Bytes,
+    client: Option<Arc<Client>>,
     allowed: &(dyn Fn(&Target) -> bool + Sync),
 ) -> Result<Routed, ApiError> {
-    let (bytes, body) = parse(state, headers, bytes).await?;
+    // A pin passes the balancer by: a keyed client pins only if it may.
+    let pins = state.config.allow_client_overrides && client.as_ref().is_none_or(|c| c.allow_pins);
+    let (bytes, body) = parse(state, headers, bytes, pins).await?;
     let RequestBody {
         mut route,
         layout,
         model,
         previous_response_id,
     } = body;
+    if let Some(client) = &client {
+        client.may_use(model.as_deref())?;
+    }
     let responses_api = path.split('?').next() == Some("/v1/responses");
     let membership = state.registry.membership();
     let served = served_model(state, &membership, model.as_deref())?;
@@ -193,6 +201,9 @@ pub async fn route(
         .for_model(served.as_deref().or(membership.sole_model()))
     {
         crate::tokens::exact_prompt(&state.tokenizers, tokenizer, &bytes, &mut route).await;
+    }
+    if let Some(client) = &client {
+        client.admit_tokens(route.input_tokens)?;
     }
     route.now_us = crate::clock::now_us();
     let home = previous_response_id
@@ -235,12 +246,18 @@ pub async fn route(
         model_member,
         responses_api,
         pair,
+        client,
     })
 }
 
 /// Reads the routing fields of `bytes` (on the blocking pool when the body is large) and the rank header.
-async fn parse(state: &AppState, headers: &HeaderMap, bytes: Bytes) -> Result<(Bytes, RequestBody), ApiError> {
-    let allow_overrides = state.config.allow_client_overrides;
+/// `allow_overrides`: the client may pin a rank (otherwise its pins are ignored, and never reach a worker).
+async fn parse(
+    state: &AppState,
+    headers: &HeaderMap,
+    bytes: Bytes,
+    allow_overrides: bool,
+) -> Result<(Bytes, RequestBody), ApiError> {
     let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
         tokio::task::spawn_blocking(move || parse_body(&bytes, allow_overrides).map(|b| (bytes, b)))
             .await

@@ -379,9 +379,11 @@ const MODELS_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// `GET /v1/models` (and `/models`): every model the workers serve (learned when they were added) and the
 /// config's aliases of them; when no worker's models are known, the answer of the first healthy worker that gives
-/// one within [`MODELS_TIMEOUT`], with the client's `Authorization` (an engine started with an API key wants it),
-/// a worker that fails or stalls passed over for the next (502 when none answers).
+/// one within [`MODELS_TIMEOUT`], with the worker's key or the client's `Authorization` (an engine started with an
+/// API key wants it; a keyed client's never goes on), a worker that fails or stalls passed over for the next (502
+/// when none answers). With clients configured, a client's key is needed.
 async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    let client = state.clients.admit(&headers)?;
     let membership = state.registry.membership();
     // Known models: the union over the workers, and the aliases of served ones.
     let served = membership.models();
@@ -410,14 +412,13 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resul
         }
         asked.push(target.id.worker);
         let mut request = hyper::Request::get(format!("{}/v1/models", target.base));
-        for name in [
-            header::AUTHORIZATION,
-            header::ACCEPT,
-            axum::http::HeaderName::from_static(REQUEST_ID),
-        ] {
+        for name in [header::ACCEPT, axum::http::HeaderName::from_static(REQUEST_ID)] {
             if let Some(v) = headers.get(&name) {
                 request = request.header(name, v);
             }
+        }
+        if let Some(auth) = crate::relay::authorization(client.is_some(), target, &headers) {
+            request = request.header(header::AUTHORIZATION, auth);
         }
         let request = request
             .body(crate::upstream::Chunks::default())

@@ -26,6 +26,8 @@ pub struct AppState {
     pub kv_feeds: crate::kv_events::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
     pub responses: Arc<crate::response_homes::ResponseHomes>,
+    /// The clients and their keys and limits (`[[clients]]`).
+    pub clients: crate::clients::Clients,
     /// Request body bytes held while bodies arrive, across requests (`max_buffered_body_bytes`).
     pub bodies: Arc<crate::body_budget::BodyBudget>,
     /// Fired when the shutdown's drain deadline passes: streams still open end with an error event.
@@ -77,6 +79,7 @@ impl AppState {
             responses: Arc::new(crate::response_homes::ResponseHomes::new(
                 crate::response_homes::REMEMBERED,
             )),
+            clients: crate::clients::Clients::new(&config.clients),
             bodies: crate::body_budget::BodyBudget::new(config.body_budget()),
             drain_deadline: Default::default(),
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),

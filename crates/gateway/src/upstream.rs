@@ -12,6 +12,7 @@ use std::task::{Context, Poll};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::body::{Body, Frame, SizeHint};
+use hyper::header::HeaderValue;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -73,10 +74,18 @@ impl Upstream {
 
     /// A request with no body and a deadline; returns the status and the whole body, of at most
     /// [`SMALL_ANSWER_BYTES`].
-    async fn simple(&self, method: Method, url: &str, timeout: Duration) -> Result<(StatusCode, Bytes), String> {
-        let request = Request::builder()
-            .method(method)
-            .uri(url)
+    async fn simple(
+        &self,
+        method: Method,
+        url: &str,
+        auth: Option<&HeaderValue>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let mut builder = Request::builder().method(method).uri(url);
+        if let Some(auth) = auth {
+            builder = builder.header(hyper::header::AUTHORIZATION, auth);
+        }
+        let request = builder
             .body(Chunks::default())
             .map_err(|e| format!("bad URL {url}: {e}"))?;
         let (status, _, body) = self.exchange(request, timeout, SMALL_ANSWER_BYTES).await?;
@@ -109,10 +118,10 @@ impl Upstream {
 
     /// `GET url/health` answered 200 within the timeout (with a body of at most [`SMALL_ANSWER_BYTES`]); otherwise
     /// why not (a refused connection, a failed TLS handshake and its reason, a status), or that it was slow.
-    pub async fn probe(&self, base: &str, timeout: Duration) -> Result<(), ProbeError> {
+    pub async fn probe(&self, base: &str, auth: Option<&HeaderValue>, timeout: Duration) -> Result<(), ProbeError> {
         let url = format!("{base}/health");
         // The exchange's own deadline is a little later, so that this one tells a slow answer from the others.
-        let answer = tokio::time::timeout(timeout, self.simple(Method::GET, &url, timeout + timeout / 2)).await;
+        let answer = tokio::time::timeout(timeout, self.simple(Method::GET, &url, auth, timeout + timeout / 2)).await;
         match answer {
             Err(_) => Err(ProbeError::Slow(format!("{url}: no answer within {timeout:?}"))),
             Ok(Err(reason)) => Err(ProbeError::Failed(reason)),
@@ -121,8 +130,9 @@ impl Upstream {
         }
     }
 
-    pub async fn get_json(&self, url: &str, timeout: Duration) -> Result<Value, String> {
-        let (status, body) = self.simple(Method::GET, url, timeout).await?;
+    /// `GET url` (with the worker's `auth`), its JSON answer.
+    pub async fn get_json(&self, url: &str, auth: Option<&HeaderValue>, timeout: Duration) -> Result<Value, String> {
+        let (status, body) = self.simple(Method::GET, url, auth, timeout).await?;
         if !status.is_success() {
             return Err(format!("{url}: status {status}"));
         }
@@ -130,8 +140,13 @@ impl Upstream {
     }
 
     /// `POST url` with an empty body; the answer's status.
-    pub async fn post_empty(&self, url: &str, timeout: Duration) -> Result<StatusCode, String> {
-        Ok(self.simple(Method::POST, url, timeout).await?.0)
+    pub async fn post_empty(
+        &self,
+        url: &str,
+        auth: Option<&HeaderValue>,
+        timeout: Duration,
+    ) -> Result<StatusCode, String> {
+        Ok(self.simple(Method::POST, url, auth, timeout).await?.0)
     }
 
     /// What a worker serves: its DP ranks (configured, or read from SGLang's `/get_server_info`) and, from SGLang,
@@ -139,7 +154,7 @@ impl Upstream {
     pub async fn discover(&self, worker: &WorkerConfig, timeout: Duration) -> Result<WorkerInfo, String> {
         let mut info = self.discover_ranks(worker, timeout).await?;
         info.models = if worker.models.is_empty() {
-            self.served_models(&worker.url, timeout).await
+            self.served_models(worker, timeout).await
         } else {
             worker.models.clone()
         };
@@ -147,9 +162,10 @@ impl Upstream {
     }
 
     /// The model ids of an OpenAI-style `GET /v1/models` (`data[].id`); none when it does not answer so.
-    async fn served_models(&self, base: &str, timeout: Duration) -> Vec<String> {
-        let url = format!("{}/v1/models", base.trim_end_matches('/'));
-        let listed = self.get_json(&url, timeout).await.unwrap_or_default();
+    async fn served_models(&self, worker: &WorkerConfig, timeout: Duration) -> Vec<String> {
+        let url = format!("{}/v1/models", worker.url.trim_end_matches('/'));
+        let auth = worker.api_key.as_ref().and_then(|k| k.bearer());
+        let listed = self.get_json(&url, auth.as_ref(), timeout).await.unwrap_or_default();
         listed["data"]
             .as_array()
             .map(|models| {
@@ -170,7 +186,8 @@ impl Upstream {
             }),
             Backend::Sglang => {
                 let url = format!("{}/get_server_info", worker.url.trim_end_matches('/'));
-                let info = match (self.get_json(&url, timeout).await, worker.dp_size) {
+                let auth = worker.api_key.as_ref().and_then(|k| k.bearer());
+                let info = match (self.get_json(&url, auth.as_ref(), timeout).await, worker.dp_size) {
                     (Ok(info), _) => info,
                     // The rank count is known; the capacity is a refinement.
                     (Err(_), Some(dp_size)) => {

@@ -136,6 +136,30 @@ pub struct WorkerConfig {
     /// endpoint's index instead.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_replay: Option<EventEndpoints>,
+    /// The worker's own API key (its engine's `--api-key`), sent to it as `Authorization: Bearer KEY` on every
+    /// request the gateway makes there; never shown.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<ApiKey>,
+}
+
+/// A key the gateway sends, which its debug form and its serialization never show.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct ApiKey(pub String);
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ApiKey(..)")
+    }
+}
+
+impl ApiKey {
+    /// `Bearer KEY`, as a header value (`None` for a key no header can carry).
+    pub fn bearer(&self) -> Option<hyper::header::HeaderValue> {
+        let mut value = hyper::header::HeaderValue::from_str(&format!("Bearer {}", self.0)).ok()?;
+        value.set_sensitive(true);
+        Some(value)
+    }
 }
 
 /// Where a worker's ranks publish their KV events, as its config gives them (see [`WorkerConfig`]).
@@ -309,6 +333,15 @@ pub fn validate_worker(w: &WorkerConfig) -> Result<(), ConfigError> {
     if written_port(authority).is_some_and(|port| !port.parse::<u16>().is_ok_and(|p| p > 0)) {
         return Err(ConfigError::Invalid(format!(
             "worker url `{}`: the port must be a number from 1 to 65535",
+            w.url
+        )));
+    }
+    if w.api_key
+        .as_ref()
+        .is_some_and(|k| k.0.trim().is_empty() || k.bearer().is_none())
+    {
+        return Err(ConfigError::Invalid(format!(
+            "worker `{}`: api_key must be a non-empty key that fits in a header",
             w.url
         )));
     }

@@ -70,9 +70,36 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/models", get(models))
         .route("/flush_cache", post(flush_cache))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(state.clone(), require_key))
         // Real engines take bodies far past axum's 2 MB default (SGLang and vLLM set no limit).
         .layer(axum::extract::DefaultBodyLimit::max(256 << 20))
         .with_state(state)
+}
+
+/// The engine's `--api-key`, checked where the engine checks it: SGLang every route but `/health*` and `/metrics`
+/// (`add_api_key_middleware`), vLLM the `/v1` routes; a 401 `{"error": "Unauthorized"}` as both answer.
+async fn require_key(
+    State(state): State<AppState>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let config = state.engine.config();
+    let Some(key) = config.api_key.as_deref() else {
+        return next.run(request).await;
+    };
+    let path = request.uri().path();
+    let open = match config.api {
+        Api::Sglang => path.starts_with("/health") || path.starts_with("/metrics"),
+        Api::Vllm => !path.starts_with("/v1"),
+    };
+    let given = request
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if open || given.and_then(|g| g.strip_prefix("Bearer ")) == Some(key) {
+        return next.run(request).await;
+    }
+    (StatusCode::UNAUTHORIZED, Json(json!({"error": "Unauthorized"}))).into_response()
 }
 
 async fn not_found() -> Response {

@@ -79,6 +79,9 @@ pub struct EngineConfig {
     pub context_length: u32,
     /// Prefill or decode only, as SGLang's `--disaggregation-mode` ([`crate::disagg`]); `None`: both.
     pub disaggregation: Option<Disaggregation>,
+    /// The engine's `--api-key`: requests must carry `Authorization: Bearer KEY` where the engine asks for it
+    /// (SGLang: every route but `/health*` and `/metrics`; vLLM: the `/v1` routes).
+    pub api_key: Option<String>,
 }
 
 /// The default context length, tokens (1,048,576, a long-context model's).
@@ -98,6 +101,7 @@ impl Default for EngineConfig {
             tokenizer: None,
             context_length: CONTEXT_LENGTH,
             disaggregation: None,
+            api_key: None,
         }
     }
 }
