@@ -55,11 +55,28 @@ fn chat(n: usize, system: &str) -> Value {
 /// endpoint gets the picker's JSON error through Envoy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envoy_sends_each_request_to_the_endpoint_and_rank_the_picker_chose() {
+    routes_as_the_picker_chose(false).await;
+}
+
+/// The same with Envoy and the picker on mutual TLS.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_mutual_tls_envoy_sends_each_request_where_the_picker_chose() {
+    routes_as_the_picker_chose(true).await;
+}
+
+async fn routes_as_the_picker_chose(mtls: bool) {
     let a = Proc::engine(&["--dp-size", "2"]);
     let b = Proc::engine(&["--dp-size", "2"]);
     let engines = [&a, &b];
-    let picker = Picker::start(&engines, &["--policy", "round_robin"]);
-    let envoy = Envoy::start("routes", &[&picker.grpc]).await;
+    let envoy_and_picker = if mtls {
+        let (config, edit) = mutual_tls("routes");
+        let picker = Picker::start(&engines, &["--policy", "round_robin", "--config", &config]);
+        (Envoy::start_edited("routes-mtls", &[&picker.grpc], edit).await, picker)
+    } else {
+        let picker = Picker::start(&engines, &["--policy", "round_robin"]);
+        (Envoy::start("routes", &[&picker.grpc]).await, picker)
+    };
+    let (envoy, picker) = envoy_and_picker;
     envoy.wait_for_healthy_pickers(1).await;
     let c = client();
     let url = format!("{}/v1/chat/completions", envoy.url);
@@ -251,10 +268,12 @@ async fn envoys_subset_hint_restricts_the_pickers_choice() {
 /// The picker's gRPC port with mutual TLS (`server.tls_cert_file`, `tls_key_file`, `tls_client_ca_file`): Envoy,
 /// presenting a client certificate the CA issued and checking the picker's, routes as in plaintext (its health
 /// checks too); a client without a certificate does not get through the handshake.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn envoy_talks_to_the_picker_over_mutual_tls() {
+/// Mutual TLS between Envoy and the picker, with certificates of a CA made for `name`: the picker's config file
+/// (its certificate, key and the CA its clients' certificates must come from), and the edit that gives Envoy's
+/// picker cluster its client certificate and the CA it checks the picker's against.
+fn mutual_tls(name: &str) -> (String, impl FnOnce(String) -> String) {
     use rcgen::{BasicConstraints, CertificateParams, ExtendedKeyUsagePurpose, IsCa, KeyPair};
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("epp-mtls");
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("epp-mtls-{name}"));
     std::fs::create_dir_all(&dir).unwrap();
     let write = |name: &str, pem: String| {
         let path = dir.join(name);
@@ -291,15 +310,21 @@ async fn envoy_talks_to_the_picker_over_mutual_tls() {
         write("envoy.pem", envoy_cert.pem()),
         write("envoy.key", envoy_key.serialize_pem()),
     );
-    let a = Proc::engine(&["--dp-size", "2"]);
-    let engines = [&a];
-    let picker = Picker::start(&engines, &["--config", &config]);
-    let envoy = Envoy::start_edited("mtls", &[&picker.grpc], |config| {
+    let edit = move |config: String| {
         let cluster = "  - name: picker\n    type: STATIC\n";
         assert!(config.contains(cluster), "deploy/envoy.yaml changed its picker cluster");
         config.replacen(cluster, &format!("{cluster}{tls_context}"), 1)
-    })
-    .await;
+    };
+    (config, edit)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_talks_to_the_picker_over_mutual_tls() {
+    let (config, edit) = mutual_tls("plain");
+    let a = Proc::engine(&["--dp-size", "2"]);
+    let engines = [&a];
+    let picker = Picker::start(&engines, &["--config", &config]);
+    let envoy = Envoy::start_edited("mtls", &[&picker.grpc], edit).await;
     envoy.wait_for_healthy_pickers(1).await;
     let c = client();
     let url = format!("{}/v1/chat/completions", envoy.url);

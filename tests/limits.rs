@@ -453,8 +453,8 @@ async fn sigterm_with_a_stuck_request_exits_at_the_drain_deadline() {
         .await
         .unwrap();
     assert!(
-        took >= Duration::from_millis(450),
-        "exited before the drain deadline: {took:?}"
+        took >= Duration::from_millis(450) && took < Duration::from_millis(1_000),
+        "exited {took:?} after SIGTERM (the drain deadline is 500 ms)"
     );
     // The stuck request's connection was closed, not left hanging.
     let outcome = tokio::time::timeout(Duration::from_secs(2), request)

@@ -356,3 +356,47 @@ async fn idle_connections_are_closed_at_the_idle_timeout() {
         started.elapsed()
     );
 }
+
+/// The gRPC port holds at most `max_connections`: with every slot taken by connections that open no stream, a
+/// data plane's new connection waits to be accepted while the idle ones are asked to go (GOAWAY) and close, then
+/// is served; the idle ones are closed long before their own idle timeout.
+#[tokio::test]
+async fn at_max_connections_idle_ones_make_room_for_a_new_one() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let p = picker(|c| {
+        c.server.max_connections = 8;
+        c.server.idle_timeout_ms = 60_000;
+    })
+    .await;
+    let mut idle = Vec::new();
+    for _ in 0..8 {
+        let mut tcp = tokio::net::TcpStream::connect(p.address.trim_start_matches("http://"))
+            .await
+            .unwrap();
+        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+            .await
+            .unwrap();
+        idle.push(tcp);
+    }
+    // Past the grace an idle connection gets before it may be reaped.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let started = std::time::Instant::now();
+    let mut x = tokio::time::timeout(Duration::from_secs(10), open(&p.address))
+        .await
+        .expect("the new connection was served");
+    x.send(headers("GET", "/v1/models", true)).await;
+    assert!(matches!(x.next().await.unwrap(), Reply::RequestHeaders(_)));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // The idle connections were closed to make room (their idle timeout is a minute away).
+    let mut closed = 0;
+    for mut tcp in idle {
+        let mut read = Vec::new();
+        if tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut read))
+            .await
+            .is_ok()
+        {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "no idle connection was closed to make room");
+}

@@ -237,6 +237,8 @@ impl Api {
         mut on: impl FnMut(Change<T>),
     ) {
         let mut version: Option<String> = None;
+        // An API server failing the same way again and again is logged at most every few seconds.
+        let mut failing = crate::throttled::Throttled::new();
         loop {
             let mut listed = false;
             let started = tokio::time::Instant::now();
@@ -273,7 +275,9 @@ impl Api {
                 Err(ApiError::Gone) => format!("{path}: 410 Gone for the version a list just gave"),
                 Err(ApiError::Other(e)) => e,
             };
-            tracing::warn!(error = %clip(&error), "kubernetes discovery: retrying in {RETRY:?}");
+            if let Some(skipped) = failing.ready() {
+                tracing::warn!(error = %clip(&error), skipped, "kubernetes discovery: retrying in {RETRY:?}");
+            }
             tokio::select! {
                 () = tokio::time::sleep(RETRY) => {}
                 _ = stop.wait_for(|s| *s) => return,
@@ -424,10 +428,13 @@ impl<O, F> Objects<O, F> {
         }
     }
 
-    /// Applies `change`; whether anything but a bookmark came.
+    /// Applies `change`; whether what the objects give changed (a LIST always counts: it may be the first). An
+    /// object modified in what discovery does not read (its status's heartbeat, its annotations' other keys), or
+    /// modified again the same, changes nothing, so a watch flooding the same object costs its parsing only.
     fn apply<T: Object>(&mut self, change: Change<T>) -> bool
     where
         F: Fn(&T) -> O,
+        O: PartialEq,
     {
         let name = |o: &T| o.meta().name.clone();
         match change {
@@ -435,13 +442,17 @@ impl<O, F> Objects<O, F> {
                 self.by_name = items.iter().filter_map(|o| Some((name(o)?, (self.read)(o)))).collect();
             }
             Change::Event(Event::Added(o) | Event::Modified(o)) => {
-                if let Some(n) = name(&o) {
-                    self.by_name.insert(n, (self.read)(&o));
+                let Some(n) = name(&o) else { return false };
+                let read = (self.read)(&o);
+                if self.by_name.get(&n) == Some(&read) {
+                    return false;
                 }
+                self.by_name.insert(n, read);
             }
             Change::Event(Event::Deleted(o)) => {
-                if let Some(n) = name(&o) {
-                    self.by_name.remove(&n);
+                let Some(n) = name(&o) else { return false };
+                if self.by_name.remove(&n).is_none() {
+                    return false;
                 }
             }
             Change::Event(Event::Unreadable(e)) => {
@@ -456,7 +467,7 @@ impl<O, F> Objects<O, F> {
 
 /// Follows a collection of `T` (each object giving an `O` through `read`), publishing its objects through
 /// `publish` at most every [`PUBLISH_EVERY`] while they change, until `stop`.
-async fn follow_collection<T: Object, O>(
+async fn follow_collection<T: Object, O: PartialEq>(
     api: &Api,
     path: &str,
     query: &str,

@@ -66,6 +66,25 @@ fn list_pages_read_only_the_fields_discovery_uses() {
     assert!(matches!(&items[1], crate::kubernetes_objects::Lenient::Unreadable(_)));
 }
 
+/// Only a change in what discovery reads is a change: the same object modified again, or deleted twice, is not.
+#[test]
+fn an_object_modified_the_same_changes_nothing() {
+    let ready = |name: &str, ip: &str| {
+        pod(json!({"metadata": {"name": name},
+                   "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True"}]}}))
+    };
+    let mut objects = Objects::new(|p: &Pod| pod_address(p));
+    assert!(objects.apply(Change::Listed(Vec::new())));
+    assert!(objects.apply(Change::Event(Event::Added(ready("a", "10.0.0.1")))));
+    for _ in 0..3 {
+        assert!(!objects.apply(Change::Event(Event::Modified(ready("a", "10.0.0.1")))));
+    }
+    assert!(objects.apply(Change::Event(Event::Modified(ready("a", "10.0.0.2")))));
+    assert!(!objects.apply(Change::Event(Event::Bookmark)));
+    assert!(objects.apply(Change::Event(Event::Deleted(ready("a", "10.0.0.2")))));
+    assert!(!objects.apply(Change::Event(Event::Deleted(ready("a", "10.0.0.2")))));
+}
+
 fn pod(value: serde_json::Value) -> Pod {
     serde_json::from_value(value).unwrap()
 }

@@ -56,8 +56,9 @@ const REAP_MIN_IDLE: Duration = Duration::from_secs(1);
 const PRESSURE_RETRY: Duration = Duration::from_millis(250);
 /// The accept loop's pause after an error other than a client's aborted connection (e.g. `EMFILE`).
 const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(100);
-/// After the drain deadline, how long the connections still open get to close before `serve` returns anyway.
-const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// After the drain deadline, how long the connections still open get to close before `serve` returns anyway (with
+/// [`crate::server`]'s background tasks' stop, the process exits within half a second of the deadline).
+const CLOSE_GRACE: Duration = Duration::from_millis(250);
 /// At the drain deadline, how long a connection gets to write the end of a stream cut there.
 const CUT_WRITE: Duration = Duration::from_millis(100);
 /// File descriptors the gateway needs besides client and upstream connections (logs, the runtime, health probes).

@@ -250,6 +250,9 @@ pub async fn serve(
 }
 
 /// The gateway's background work: health probes, ejection sweeps, load polls, KV event feeds.
+/// How long background tasks (probes, load polls, KV-event feeds, discovery) get to stop at shutdown.
+const BACKGROUND_STOP: std::time::Duration = std::time::Duration::from_millis(200);
+
 pub struct Background {
     stop: watch::Sender<bool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -288,11 +291,16 @@ impl Background {
         Self { stop, tasks }
     }
 
-    /// Stops it and waits for its tasks to end.
+    /// Stops it and waits for its tasks to end, at most [`BACKGROUND_STOP`]; those still running then are aborted
+    /// (the process's exit must come within half a second of the drain deadline).
     pub async fn stop(self) {
         let _ = self.stop.send(true);
-        for task in self.tasks {
-            let _ = task.await;
+        let deadline = tokio::time::Instant::now() + BACKGROUND_STOP;
+        for mut task in self.tasks {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::debug!("a background task did not stop in time: aborted");
+                task.abort();
+            }
         }
     }
 }

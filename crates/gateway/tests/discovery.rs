@@ -177,6 +177,35 @@ async fn pods_are_listed_then_watched_and_both_forms_of_410_make_a_new_list() {
     std::fs::remove_file(token).unwrap();
 }
 
+/// A watch that sends the same Pod modified again and again (a status heartbeat, or a hostile server) changes
+/// nothing discovery reads: no new list of workers is published for it, and a real change still is.
+#[tokio::test]
+async fn a_pod_modified_the_same_again_and_again_publishes_nothing() {
+    let api = ApiServer::start().await;
+    api.put(PODS, pod("a", "vllm", "10.0.0.1", true));
+    let mut following = Following::start(KubernetesSource {
+        pods: Some("app=vllm".into()),
+        port: Some(8000),
+        ..source(&api)
+    });
+    assert_eq!(following.next().await, ["http://10.0.0.1:8000"]);
+    until("the watch", || api.count("WATCH") == 1).await;
+    for i in 0..2000 {
+        let mut same = pod("a", "vllm", "10.0.0.1", true);
+        // Fields discovery does not read change; what it reads does not.
+        same["metadata"]["annotations"] = json!({"heartbeat": i.to_string()});
+        api.put(PODS, same);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !following.seen.has_changed().unwrap(),
+        "the same Pod, modified, was published again"
+    );
+    api.put(PODS, pod("a", "vllm", "10.0.0.2", true));
+    assert_eq!(following.next().await, ["http://10.0.0.2:8000"]);
+    following.stop().await;
+}
+
 #[tokio::test]
 async fn endpoint_slices_give_their_ready_endpoints_at_the_named_port_and_drop_terminating_ones() {
     let api = ApiServer::start().await;

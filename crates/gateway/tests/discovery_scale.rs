@@ -195,7 +195,10 @@ async fn shutdown_during_a_large_sync_is_not_held_up() {
     g.stop().await;
     let took = asked.elapsed();
     println!("shutdown during the sync took {took:?} (drain_timeout_ms = 1000)");
-    assert!(took < Duration::from_secs(5), "{took:?}");
+    assert!(
+        took < Duration::from_millis(1_500),
+        "{took:?}: past the drain deadline and half a second"
+    );
 }
 
 type Client = dprouter_gateway::upstream::Upstream;
