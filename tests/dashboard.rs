@@ -253,6 +253,26 @@ async fn precise_mode_scrape(c: &common::HttpClient) -> String {
     get(c, &format!("{}/metrics", gw.url)).await.text
 }
 
+/// A gateway with one client (`[[clients]]`), after a request with its key and one without: its scrape.
+async fn clients_scrape(c: &common::HttpClient) -> String {
+    let engine = Proc::engine(&["--dp-size", "1"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-clients.toml");
+    // `printf %s key-alice | sha256sum`
+    let toml = format!(
+        "[[clients]]\nname = \"alice\"\nkey_sha256 = \"87844ec0b0d738e89628640588acaa48537b814a5c4f9697e3b352d11ffedaef\"\n[[workers]]\nurl = {:?}\n",
+        engine.url
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let body = json!({"text": "a keyed prompt", "sampling_params": {"max_new_tokens": 2}}).to_string();
+    let url = format!("{}/generate", gw.url);
+    let keyed = read(send(c, &url, &[("authorization", "Bearer key-alice")], body.clone()).await).await;
+    assert_eq!(keyed.status, StatusCode::OK, "{}", keyed.text);
+    let stranger = read(send(c, &url, &[], body).await).await;
+    assert_eq!(stranger.status, StatusCode::UNAUTHORIZED, "{}", stranger.text);
+    get(c, &format!("{}/metrics", gw.url)).await.text
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_exports_every_series_the_dashboard_queries() {
     let engine = Proc::engine(&["--dp-size", "2", "--error-rate", "0.3", "--seed", "7"]);
@@ -325,6 +345,10 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
     // Precise mode's series come from a second gateway, with cache_aware following an engine's KV events.
     let precise = precise_mode_scrape(&c).await;
     let (more_samples, more_kinds) = parse_scrape(&precise);
+    samples.extend(more_samples);
+    kinds.extend(more_kinds);
+    // Clients' series from a third, with a client's key.
+    let (more_samples, more_kinds) = parse_scrape(&clients_scrape(&c).await);
     samples.extend(more_samples);
     kinds.extend(more_kinds);
     let used = used_names(&dashboard());

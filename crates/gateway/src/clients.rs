@@ -20,6 +20,15 @@ use subtle::ConstantTimeEq;
 
 use crate::client_config::ClientConfig;
 use crate::error::ApiError;
+use crate::telemetry::{CLIENT_PROMPT_TOKENS, CLIENT_REQUESTS};
+
+/// The `client` label of requests without a known key.
+const NO_CLIENT: &str = "(none)";
+
+/// Counts a request of `client` by its outcome.
+fn count(client: &str, outcome: &'static str) {
+    metrics::counter!(CLIENT_REQUESTS, "client" => client.to_string(), "outcome" => outcome).increment(1);
+}
 
 type Bucket = governor::DefaultDirectRateLimiter;
 
@@ -88,8 +97,10 @@ impl Clients {
         if self.list.is_empty() {
             return Ok(None);
         }
-        let key = bearer(headers)
-            .ok_or_else(|| ApiError::NoClientKey("no API key: send it as `Authorization: Bearer KEY`".into()))?;
+        let key = bearer(headers).ok_or_else(|| {
+            count(NO_CLIENT, "no_key");
+            ApiError::NoClientKey("no API key: send it as `Authorization: Bearer KEY`".into())
+        })?;
         let digest = Sha256::digest(key.as_bytes());
         let mut found = None;
         for client in &self.list {
@@ -97,9 +108,13 @@ impl Clients {
                 found = Some(client);
             }
         }
-        let client = found.ok_or_else(|| ApiError::NoClientKey("the API key is not one this gateway knows".into()))?;
+        let client = found.ok_or_else(|| {
+            count(NO_CLIENT, "unknown_key");
+            ApiError::NoClientKey("the API key is not one this gateway knows".into())
+        })?;
         if let Some(bucket) = &client.requests {
             bucket.check().map_err(|not_until| {
+                count(&client.name, "rate_limited");
                 let wait = not_until.wait_time_from(DefaultClock::default().now());
                 ApiError::RateLimited {
                     message: format!("client `{}` is over its requests_per_second", client.name),
@@ -117,6 +132,9 @@ impl Client {
         if self.models.is_empty() {
             return Ok(());
         }
+        if !model.is_some_and(|m| self.models.iter().any(|allowed| allowed == m)) {
+            count(&self.name, "model_refused");
+        }
         match model {
             Some(m) if self.models.iter().any(|allowed| allowed == m) => Ok(()),
             Some(m) => Err(ApiError::Forbidden(format!(
@@ -131,8 +149,20 @@ impl Client {
         }
     }
 
-    /// Counts a request's prompt tokens against its tokens-per-minute limit.
+    /// Counts a request's prompt tokens against its tokens-per-minute limit; admitted, the request is counted.
     pub fn admit_tokens(&self, tokens: u64) -> Result<(), ApiError> {
+        let admitted = self.check_tokens(tokens);
+        match &admitted {
+            Ok(()) => {
+                count(&self.name, "admitted");
+                metrics::counter!(CLIENT_PROMPT_TOKENS, "client" => self.name.to_string()).increment(tokens);
+            }
+            Err(_) => count(&self.name, "tokens_limited"),
+        }
+        admitted
+    }
+
+    fn check_tokens(&self, tokens: u64) -> Result<(), ApiError> {
         let Some((bucket, per_minute)) = &self.tokens else {
             return Ok(());
         };

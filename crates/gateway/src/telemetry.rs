@@ -16,6 +16,8 @@
 //! | `dprouter_kv_event_blocks` | gauge | `endpoint` (router blocks the endpoint holds, as its KV events tell) |
 //! | `dprouter_kv_event_errors_total` | counter | `endpoint`, `kind` (`gap`, `restart`, `decode`, `orphan`, `overflow`, `replay`, `frames`) |
 //! | `dprouter_tokenize_cut_total` | counter | (text and chat prompts tokenized only up to `tokenize_max_bytes`: their keys cover that head) |
+//! | `dprouter_client_requests_total` | counter | `client` (`[[clients]]` name; `(none)` without a known key), `outcome` (`admitted`, `no_key`, `unknown_key`, `rate_limited`, `model_refused`, `tokens_limited`) |
+//! | `dprouter_client_prompt_tokens_total` | counter | `client` (the prompt tokens of its admitted requests, as the gateway counts them) |
 //! | `dprouter_trace_spans_exported_total` | counter | (tracing on: spans the collector accepted; `dprouter_otel::queue`) |
 //! | `dprouter_trace_spans_dropped_total` | counter | `reason` (`queue_full`, `export_failed`) |
 
@@ -40,6 +42,8 @@ pub const KV_EVENT_BATCHES: &str = "dprouter_kv_event_batches_total";
 pub const KV_EVENT_ERRORS: &str = "dprouter_kv_event_errors_total";
 pub const KV_EVENT_BLOCKS: &str = "dprouter_kv_event_blocks";
 pub const TOKENIZE_CUT: &str = "dprouter_tokenize_cut_total";
+pub const CLIENT_REQUESTS: &str = "dprouter_client_requests_total";
+pub const CLIENT_PROMPT_TOKENS: &str = "dprouter_client_prompt_tokens_total";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -59,6 +63,8 @@ pub const ALL: &[&str] = &[
     KV_EVENT_ERRORS,
     KV_EVENT_BLOCKS,
     TOKENIZE_CUT,
+    CLIENT_REQUESTS,
+    CLIENT_PROMPT_TOKENS,
     dprouter_otel::SPANS_EXPORTED,
     dprouter_otel::SPANS_DROPPED,
 ];
