@@ -273,6 +273,26 @@ async fn clients_scrape(c: &common::HttpClient) -> String {
     get(c, &format!("{}/metrics", gw.url)).await.text
 }
 
+/// A gateway with flow control, one request in flight per endpoint, after two requests at once (the second waits
+/// for the first): its scrape.
+async fn flow_control_scrape(c: &common::HttpClient) -> String {
+    let engine = Proc::engine(&["--dp-size", "1", "--first-byte-delay-ms", "300"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard-flow.toml");
+    let toml = format!(
+        "[flow_control]\nenabled = true\nmax_in_flight_per_endpoint = 1\n[[workers]]\nurl = {:?}\ndp_size = 1\n",
+        engine.url
+    );
+    std::fs::write(&config, toml).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let url = format!("{}/generate", gw.url);
+    let body = json!({"text": "queued", "sampling_params": {"max_new_tokens": 2}}).to_string();
+    let (a, b) = tokio::join!(send(c, &url, &[], body.clone()), send(c, &url, &[], body));
+    for reply in [read(a).await, read(b).await] {
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+    get(c, &format!("{}/metrics", gw.url)).await.text
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_exports_every_series_the_dashboard_queries() {
     let engine = Proc::engine(&["--dp-size", "2", "--error-rate", "0.3", "--seed", "7"]);
@@ -347,10 +367,12 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
     let (more_samples, more_kinds) = parse_scrape(&precise);
     samples.extend(more_samples);
     kinds.extend(more_kinds);
-    // Clients' series from a third, with a client's key.
-    let (more_samples, more_kinds) = parse_scrape(&clients_scrape(&c).await);
-    samples.extend(more_samples);
-    kinds.extend(more_kinds);
+    // Clients' series from a third, with a client's key; flow control's from a fourth, with a request queued.
+    for scrape in [clients_scrape(&c).await, flow_control_scrape(&c).await] {
+        let (more_samples, more_kinds) = parse_scrape(&scrape);
+        samples.extend(more_samples);
+        kinds.extend(more_kinds);
+    }
     let used = used_names(&dashboard());
     // The names exactly as the dashboard writes them (so `_bucket` on a histogram, no suffix on a counter).
     for (name, places) in &used {

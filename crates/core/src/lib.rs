@@ -11,6 +11,7 @@ pub mod dp_router;
 pub mod endpoint;
 pub mod engine_blocks;
 pub mod error;
+pub mod flow_queue;
 pub mod hashing;
 mod json_key;
 pub mod kv_events;

@@ -76,6 +76,8 @@ pub struct EndpointLoad {
     queued_since_report_requests: AtomicU64,
     queued_since_report_tokens: AtomicU64,
     last_report: Mutex<Option<EngineReport>>,
+    /// When the engine last answered a load poll, on the caller's clock plus one (0: never).
+    reported_at_us_plus_one: AtomicU64,
 }
 
 impl EndpointLoad {
@@ -124,6 +126,16 @@ impl EndpointLoad {
             requests: self.reported_requests.load(Relaxed) + self.speculative_requests.load(Relaxed),
             tokens: self.reported_tokens.load(Relaxed) + self.speculative_tokens.load(Relaxed),
         }
+    }
+
+    /// The engine answered a load poll at `now_us` (its report applied or not: the answer is fresh).
+    pub fn mark_reported(&self, now_us: u64) {
+        self.reported_at_us_plus_one.store(now_us.saturating_add(1), Relaxed);
+    }
+
+    /// When the engine last answered a load poll, if it ever did.
+    pub fn reported_at_us(&self) -> Option<u64> {
+        self.reported_at_us_plus_one.load(Relaxed).checked_sub(1)
     }
 
     /// The last report applied, if any.

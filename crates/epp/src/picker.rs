@@ -500,9 +500,12 @@ impl Stream {
             });
         }
         routing::check_content_type(&header_map).map_err(End::Answer)?;
-        let routed = routing::route(state, (&path, &header_map), body, client, &allowed)
-            .await
-            .map_err(End::Answer)?;
+        // Routing may wait in flow control's queue: a data plane that closes the stream meanwhile (its client went
+        // away) takes the request out of it.
+        let routed = tokio::select! {
+            routed = routing::route(state, (&path, &header_map), body, client, &allowed) => routed.map_err(End::Answer)?,
+            () = self.tx.closed() => return Err(End::Gone),
+        };
         let target = routed.target().clone();
         let address = address(&target).ok_or(End::Gone)?;
         let (pieces, rank_header) = routed.upstream_body(&target, &path);

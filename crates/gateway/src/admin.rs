@@ -173,6 +173,7 @@ pub(crate) async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value>
 /// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.
 pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     let membership = state.registry.membership();
+    let now = crate::clock::now_us();
     let ranks: std::collections::HashMap<_, _> =
         membership.targets.iter().enumerate().map(|(r, t)| (t.id, r)).collect();
     let rank_of = |id| ranks.get(&id).copied();
@@ -197,6 +198,7 @@ pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Val
                         "in_flight_tokens": e.load.in_flight_tokens(),
                         "load_view": {"requests": view.requests, "tokens": view.tokens},
                         "engine_report": e.load.last_report().map(|r| json!({"requests": r.requests, "waiting": r.waiting, "tokens": r.tokens, "timestamp": r.timestamp})),
+                        "saturated": state.flow.as_ref().map(|f| f.saturated(&e.load, w.kv_capacity, now)),
                     })
                 })
                 .collect();

@@ -240,6 +240,8 @@ pub struct GatewayConfig {
     pub allow_client_overrides: bool,
     /// The clients (`[[clients]]`): with any, inference requests need one's API key ([`crate::clients`]).
     pub clients: Vec<crate::client_config::ClientConfig>,
+    /// Flow control (`[flow_control]`): the central queue while the pool is saturated ([`crate::flow`]).
+    pub flow_control: crate::flow_config::FlowControlConfig,
     /// A request header that names the client's session (e.g. `x-session-id`): requests with the same value prefer
     /// the same endpoint under `prefix_affinity` and `cache_aware`, as OpenAI's `prompt_cache_key` body field does
     /// (which wins when both are given). Unset: no header is read.
@@ -296,6 +298,7 @@ impl Default for GatewayConfig {
             admin_key: None,
             allow_client_overrides: true,
             clients: Vec::new(),
+            flow_control: Default::default(),
             session_header: None,
             model_aliases: Default::default(),
             tokenizer: None,
@@ -509,13 +512,18 @@ impl GatewayConfig {
             ("first_byte_timeout_ms", self.first_byte_timeout_ms),
             ("stream_idle_timeout_ms", self.stream_idle_timeout_ms),
             ("upstream_idle_timeout_ms", self.upstream_idle_timeout_ms),
-        ] {
+        ]
+        .into_iter()
+        .map(|(field, value)| (field.to_string(), value))
+        .chain(self.flow_control.millisecond_settings())
+        {
             if value > MAX_MS {
                 return Err(ConfigError::Invalid(format!(
                     "{field} is {value}: at most {MAX_MS} (7 days)"
                 )));
             }
         }
+        self.flow_control.validate().map_err(ConfigError::Invalid)?;
         Ok(())
     }
 }

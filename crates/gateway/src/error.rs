@@ -51,6 +51,9 @@ pub enum ApiError {
     UpstreamTimeout { endpoint: String, after_ms: u64 },
     #[error("{0}")]
     Unavailable(String),
+    /// Flow control refused or gave up on the request: the pool is saturated (503 with `Retry-After: 1`).
+    #[error("{0}")]
+    Overloaded(String),
 }
 
 impl From<PromptError> for ApiError {
@@ -75,7 +78,7 @@ impl ApiError {
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Route(e) if e.is_client_error() => StatusCode::BAD_REQUEST,
-            ApiError::Route(_) | ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Route(_) | ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
         }
@@ -104,6 +107,7 @@ impl ApiError {
     pub fn retry_after(&self) -> Option<u64> {
         match self {
             ApiError::RateLimited { retry_after_s, .. } => *retry_after_s,
+            ApiError::Overloaded(_) => Some(1),
             _ => None,
         }
     }

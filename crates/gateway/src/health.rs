@@ -349,6 +349,8 @@ async fn load_loop(state: Arc<AppState>, stop: watch::Receiver<bool>) {
                     let dp_rank = rank.get("dp_rank").and_then(Value::as_u64).unwrap_or(u64::MAX);
                     if let Some(e) = w.endpoints.iter().find(|e| u64::from(e.id.dp_rank) == dp_rank) {
                         e.load.apply_report(report);
+                        // Fresh for flow control's staleness limit, whatever its own timestamp says.
+                        e.load.mark_reported(crate::clock::now_us());
                     }
                 }
             }

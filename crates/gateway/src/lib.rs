@@ -9,16 +9,18 @@
 //!
 //! 1. Shared names and plain values, importing nothing of the crate but each other: [`crate::names`] (the
 //!    request-id header, the limits of a request head), [`crate::worker_config`] (one worker's),
-//!    [`crate::discovery_config`], [`crate::config`] (the whole), [`crate::error`], [`crate::clock`],
+//!    [`crate::discovery_config`], [`crate::client_config`], [`crate::flow_config`], [`crate::config`] (the whole), [`crate::error`], [`crate::clock`],
 //!    [`crate::tls`], [`crate::response_homes`], [`crate::drain_deadline`], [`crate::runtime`] (the runtime both
 //!    front doors run on), [`crate::trace_context`] and [`crate::spans`] (the trace context the engines get, and
 //!    the gateway's trace spans).
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
-//!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`];
+//!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`],
+//!    [`crate::clients`] (who calls: keys and rate limits);
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
 //!    hyper writes itself).
 //! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
-//!    their own status map), [`crate::access`] (what each answer was), the discovery sources
+//!    their own status map), [`crate::access`] (what each answer was), [`crate::flow`] (flow control's queue, over
+//!    the registry), the discovery sources
 //!    [`crate::kubernetes`] and [`crate::dns`] (what they find, on a channel).
 //! 4. [`crate::state`]: the parts together, for the handlers.
 //! 5. What serves requests over the state: [`crate::discovery`] (found workers into the registry), [`crate::health`], [`crate::body`], [`crate::responses`],
@@ -41,6 +43,8 @@ pub mod discovery_config;
 pub mod dns;
 pub mod drain_deadline;
 pub mod error;
+pub mod flow;
+pub mod flow_config;
 pub mod health;
 pub mod in_flight;
 pub mod kubernetes;

@@ -178,6 +178,25 @@ pub async fn route(
         (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
         _ => None,
     };
+    // Flow control: while every endpoint the request may use is saturated it waits here, and the pick below is made
+    // with the load of the moment it leaves (late binding). A pin passes the queue by, as it passes the balancer.
+    let admitted = match (&state.flow, route.rank_override) {
+        (Some(flow), None) => {
+            let (flow_id, priority) = flow.classify(client.as_deref(), headers)?;
+            let demand = crate::flow::Demand {
+                model: served.as_deref(),
+                priority,
+                flow: &flow_id,
+                bytes: bytes.len(),
+            };
+            Some(flow.admit(&state.registry, demand).await?)
+        }
+        _ => None,
+    };
+    let membership = match &admitted {
+        Some(a) if a.waited => state.registry.membership(),
+        _ => membership,
+    };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
     // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
     if let (Some(model), Some(rank)) = (
@@ -236,6 +255,8 @@ pub async fn route(
         (dispatch_among(policy, &membership.snapshot, &aggregated, route)?, None)
     };
     count_decision(state, ticket.pick.branch);
+    // The request holds its share of the load now: the queue's dispatcher may look again.
+    drop(admitted);
     Ok(Routed {
         ticket,
         membership,

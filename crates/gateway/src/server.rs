@@ -287,6 +287,10 @@ impl Background {
             feeds: state.kv_feeds.clone(),
         };
         tasks.extend(crate::kv_events::spawn(feeds, &state.config.routing, stopped.clone()));
+        if let Some(flow) = &state.flow {
+            let dispatcher = crate::flow::dispatch(Arc::clone(flow), Arc::clone(&state.registry), stopped.clone());
+            tasks.push(tokio::spawn(dispatcher));
+        }
         tasks.extend(crate::discovery::spawn(state, stopped));
         Self { stop, tasks }
     }
@@ -377,7 +381,15 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
     for (endpoint, feed) in state.kv_feeds.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         metrics::gauge!(telemetry::KV_EVENT_BLOCKS, "endpoint" => endpoint.to_string()).set(feed.router_blocks as f64);
     }
-    let text = telemetry::render(&state.registry.membership());
+    let membership = state.registry.membership();
+    if let Some(flow) = &state.flow {
+        let now = crate::clock::now_us();
+        for (endpoint, target) in membership.snapshot.endpoints().iter().zip(&membership.targets) {
+            let saturated = flow.saturated(&endpoint.load, endpoint.kv_capacity, now);
+            metrics::gauge!(telemetry::SATURATED, "endpoint" => target.label()).set(f64::from(u8::from(saturated)));
+        }
+    }
+    let text = telemetry::render(&membership);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

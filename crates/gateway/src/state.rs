@@ -28,6 +28,8 @@ pub struct AppState {
     pub responses: Arc<crate::response_homes::ResponseHomes>,
     /// The clients and their keys and limits (`[[clients]]`).
     pub clients: crate::clients::Clients,
+    /// Flow control's central queue, when it is on (`[flow_control]`).
+    pub flow: Option<Arc<crate::flow::FlowControl>>,
     /// Request body bytes held while bodies arrive, across requests (`max_buffered_body_bytes`).
     pub bodies: Arc<crate::body_budget::BodyBudget>,
     /// Fired when the shutdown's drain deadline passes: streams still open end with an error event.
@@ -80,6 +82,7 @@ impl AppState {
                 crate::response_homes::REMEMBERED,
             )),
             clients: crate::clients::Clients::new(&config.clients),
+            flow: crate::flow::FlowControl::new(&config.flow_control),
             bodies: crate::body_budget::BodyBudget::new(config.body_budget()),
             drain_deadline: Default::default(),
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),

@@ -18,6 +18,10 @@
 //! | `dprouter_tokenize_cut_total` | counter | (text and chat prompts tokenized only up to `tokenize_max_bytes`: their keys cover that head) |
 //! | `dprouter_client_requests_total` | counter | `client` (`[[clients]]` name; `(none)` without a known key), `outcome` (`admitted`, `no_key`, `unknown_key`, `rate_limited`, `model_refused`, `tokens_limited`) |
 //! | `dprouter_client_prompt_tokens_total` | counter | `client` (the prompt tokens of its admitted requests, as the gateway counts them) |
+//! | `dprouter_endpoint_saturated` | gauge | `endpoint` (flow control on: 1 while saturated) |
+//! | `dprouter_queue_requests`, `dprouter_queue_bytes` | gauge | `band` (flow control: requests and body bytes waiting, per priority) |
+//! | `dprouter_queue_wait_seconds` | histogram | `band` (flow control: time queued, of the requests released) |
+//! | `dprouter_queue_refusals_total` | counter | `reason` (`shed`, `queue_full`, `queue_bytes`, `timeout`, `client_gone`) |
 //! | `dprouter_trace_spans_exported_total` | counter | (tracing on: spans the collector accepted; `dprouter_otel::queue`) |
 //! | `dprouter_trace_spans_dropped_total` | counter | `reason` (`queue_full`, `export_failed`) |
 
@@ -44,6 +48,11 @@ pub const KV_EVENT_BLOCKS: &str = "dprouter_kv_event_blocks";
 pub const TOKENIZE_CUT: &str = "dprouter_tokenize_cut_total";
 pub const CLIENT_REQUESTS: &str = "dprouter_client_requests_total";
 pub const CLIENT_PROMPT_TOKENS: &str = "dprouter_client_prompt_tokens_total";
+pub const SATURATED: &str = "dprouter_endpoint_saturated";
+pub const QUEUE_REQUESTS: &str = "dprouter_queue_requests";
+pub const QUEUE_BYTES: &str = "dprouter_queue_bytes";
+pub const QUEUE_WAIT: &str = "dprouter_queue_wait_seconds";
+pub const QUEUE_REFUSALS: &str = "dprouter_queue_refusals_total";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -65,6 +74,11 @@ pub const ALL: &[&str] = &[
     TOKENIZE_CUT,
     CLIENT_REQUESTS,
     CLIENT_PROMPT_TOKENS,
+    SATURATED,
+    QUEUE_REQUESTS,
+    QUEUE_BYTES,
+    QUEUE_WAIT,
+    QUEUE_REFUSALS,
     dprouter_otel::SPANS_EXPORTED,
     dprouter_otel::SPANS_DROPPED,
 ];

@@ -1,0 +1,324 @@
+//! Flow control's central queue, as a data structure: requests waiting while every endpoint they may use is
+//! saturated, in **bands** by priority and within a band in **flows** by fairness id (a client's name, or the
+//! `x-gateway-inference-fairness-id` header).
+//!
+//! The order is the Gateway API Inference Extension's: strict priority between bands (a higher band's request always
+//! goes first), a fair share between the flows of a band, first come first served within a flow. The share is round
+//! robin by request: the flows of a band take turns, one request each. Deficit round robin by prompt tokens would
+//! share the engines' prefill work more evenly between flows of very different prompt sizes, but a request's cost on
+//! a cache-aware fleet is its *uncached* tokens, which are not known until it is routed (late binding); per request,
+//! a small tenant's wait is bounded by the number of flows ahead of it, whatever the others send. The structure
+//! holds what it is given ([`FlowQueue::push`]) and counts entries and bytes; bounding them is its owner's job.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+
+/// One band: its flows' queues, and the flows with requests in the order they take turns.
+#[derive(Debug)]
+struct Band<T> {
+    flows: HashMap<Arc<str>, VecDeque<Entry<T>>>,
+    turns: VecDeque<Arc<str>>,
+    len: usize,
+    bytes: usize,
+}
+
+impl<T> Default for Band<T> {
+    fn default() -> Self {
+        Self {
+            flows: HashMap::new(),
+            turns: VecDeque::new(),
+            len: 0,
+            bytes: 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry<T> {
+    id: u64,
+    bytes: usize,
+    item: T,
+}
+
+/// Requests waiting, by band and flow (see the module documentation).
+#[derive(Debug)]
+pub struct FlowQueue<T> {
+    /// By priority; the highest is served first.
+    bands: BTreeMap<i32, Band<T>>,
+    /// Where each entry waits: its band and flow.
+    places: HashMap<u64, (i32, Arc<str>)>,
+    next_id: u64,
+    bytes: usize,
+}
+
+impl<T> Default for FlowQueue<T> {
+    fn default() -> Self {
+        Self {
+            bands: BTreeMap::new(),
+            places: HashMap::new(),
+            next_id: 0,
+            bytes: 0,
+        }
+    }
+}
+
+/// One band's size, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BandSize {
+    pub priority: i32,
+    pub requests: usize,
+    pub bytes: usize,
+}
+
+impl<T> FlowQueue<T> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Entries waiting.
+    pub fn len(&self) -> usize {
+        self.places.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.places.is_empty()
+    }
+
+    /// The bytes the entries hold, as their owners counted them.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Each band with entries, highest priority first.
+    pub fn bands(&self) -> Vec<BandSize> {
+        self.bands
+            .iter()
+            .rev()
+            .map(|(&priority, band)| BandSize {
+                priority,
+                requests: band.len,
+                bytes: band.bytes,
+            })
+            .collect()
+    }
+
+    /// Queues `item` of `flow` at `priority`, holding `bytes`; returns its id (for [`FlowQueue::remove`]).
+    pub fn push(&mut self, priority: i32, flow: &str, bytes: usize, item: T) -> u64 {
+        let id = self.next_id;
+        self.next_id += 1;
+        let band = self.bands.entry(priority).or_default();
+        let flow: Arc<str> = match band.flows.get_key_value(flow) {
+            Some((name, _)) => Arc::clone(name),
+            None => Arc::from(flow),
+        };
+        let queue = band.flows.entry(Arc::clone(&flow)).or_default();
+        if queue.is_empty() {
+            band.turns.push_back(Arc::clone(&flow));
+        }
+        queue.push_back(Entry { id, bytes, item });
+        band.len += 1;
+        band.bytes += bytes;
+        self.bytes += bytes;
+        self.places.insert(id, (priority, flow));
+        id
+    }
+
+    /// The entry [`FlowQueue::pop`] would take, and its id.
+    pub fn peek(&self) -> Option<(u64, &T)> {
+        let band = self.bands.values().next_back()?;
+        let flow = band.turns.front()?;
+        let entry = band.flows.get(flow)?.front()?;
+        Some((entry.id, &entry.item))
+    }
+
+    /// Takes the next entry: the highest band's, of the flow whose turn it is, the oldest of that flow; the flow's
+    /// turn passes to the next.
+    pub fn pop(&mut self) -> Option<(u64, T)> {
+        let (&priority, band) = self.bands.iter_mut().next_back()?;
+        let flow = band.turns.pop_front()?;
+        let queue = band.flows.get_mut(&flow)?;
+        let entry = queue.pop_front()?;
+        if queue.is_empty() {
+            band.flows.remove(&flow);
+        } else {
+            band.turns.push_back(flow);
+        }
+        self.taken(priority, entry.bytes);
+        self.places.remove(&entry.id);
+        Some((entry.id, entry.item))
+    }
+
+    /// Takes the entry `id` out wherever it waits (its client went away, or its deadline passed).
+    pub fn remove(&mut self, id: u64) -> Option<T> {
+        let (priority, flow) = self.places.remove(&id)?;
+        let band = self.bands.get_mut(&priority)?;
+        let queue = band.flows.get_mut(&flow)?;
+        let at = queue.iter().position(|e| e.id == id)?;
+        let entry = queue.remove(at)?;
+        if queue.is_empty() {
+            band.flows.remove(&flow);
+            band.turns.retain(|f| *f != flow);
+        }
+        self.taken(priority, entry.bytes);
+        Some(entry.item)
+    }
+
+    /// An entry of `priority` holding `bytes` left.
+    fn taken(&mut self, priority: i32, bytes: usize) {
+        self.bytes -= bytes;
+        if let Some(band) = self.bands.get_mut(&priority) {
+            band.len -= 1;
+            band.bytes -= bytes;
+            if band.len == 0 {
+                self.bands.remove(&priority);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_higher_band_goes_first_and_flows_take_turns() {
+        let mut q = FlowQueue::new();
+        for i in 0..4 {
+            q.push(0, "big", 10, format!("big{i}"));
+        }
+        q.push(0, "small", 10, "small0".to_string());
+        q.push(0, "small", 10, "small1".to_string());
+        q.push(5, "urgent", 1, "urgent0".to_string());
+        assert_eq!(q.len(), 7);
+        assert_eq!(q.bytes(), 61);
+        assert_eq!(
+            q.bands(),
+            [
+                BandSize {
+                    priority: 5,
+                    requests: 1,
+                    bytes: 1
+                },
+                BandSize {
+                    priority: 0,
+                    requests: 6,
+                    bytes: 60
+                }
+            ]
+        );
+        assert_eq!(q.peek().map(|(_, s)| s.as_str()), Some("urgent0"));
+        let order: Vec<String> = std::iter::from_fn(|| q.pop().map(|(_, s)| s)).collect();
+        assert_eq!(order, ["urgent0", "big0", "small0", "big1", "small1", "big2", "big3"]);
+        assert!(q.is_empty());
+        assert_eq!(q.bytes(), 0);
+        assert!(q.bands().is_empty());
+    }
+
+    #[test]
+    fn a_removed_entry_leaves_no_trace() {
+        let mut q = FlowQueue::new();
+        let a = q.push(0, "a", 3, 'a');
+        let b = q.push(0, "b", 4, 'b');
+        let c = q.push(0, "a", 5, 'c');
+        assert_eq!(q.remove(b), Some('b'));
+        assert_eq!(q.remove(b), None);
+        assert_eq!(q.bytes(), 8);
+        assert_eq!(q.pop(), Some((a, 'a')));
+        assert_eq!(q.remove(c), Some('c'));
+        assert!(q.is_empty());
+        assert_eq!(q.pop(), None);
+        assert_eq!(q.bytes(), 0);
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Push { priority: i32, flow: u8, bytes: usize },
+        Pop,
+        Remove(usize),
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            3 => (-1i32..3, 0u8..4, 0usize..100).prop_map(|(priority, flow, bytes)| Op::Push { priority, flow, bytes }),
+            2 => Just(Op::Pop),
+            1 => (0usize..64).prop_map(Op::Remove),
+        ]
+    }
+
+    proptest! {
+        /// Whatever is pushed, popped and removed: a pop takes from the highest band waiting, the oldest of its
+        /// flow; two pops of one flow in a band have every other flow of that band that waited throughout served
+        /// in between; and the counts of entries and bytes are what is left.
+        #[test]
+        fn strict_priority_fair_turns_and_exact_counts(ops in proptest::collection::vec(op(), 1..200)) {
+            let mut q = FlowQueue::new();
+            // id -> (priority, flow, bytes)
+            let mut waiting: BTreeMap<u64, (i32, u8, usize)> = BTreeMap::new();
+            let mut ids = Vec::new();
+            // Per band, the pops since each flow was last served, while the others waited.
+            let mut since: HashMap<(i32, u8), HashMap<u8, bool>> = HashMap::new();
+            for op in ops {
+                match op {
+                    Op::Push { priority, flow, bytes } => {
+                        let id = q.push(priority, &flow.to_string(), bytes, (priority, flow));
+                        waiting.insert(id, (priority, flow, bytes));
+                        ids.push(id);
+                    }
+                    Op::Pop => {
+                        let peeked = q.peek().map(|(id, _)| id);
+                        let popped = q.pop();
+                        prop_assert_eq!(peeked, popped.as_ref().map(|(id, _)| *id));
+                        let Some((id, (priority, flow))) = popped else {
+                            prop_assert!(waiting.is_empty());
+                            continue;
+                        };
+                        let top = waiting.values().map(|w| w.0).max().unwrap();
+                        prop_assert_eq!(priority, top, "a lower band went first");
+                        let oldest = waiting.iter().find(|(_, w)| w.0 == priority && w.1 == flow).map(|(id, _)| *id);
+                        prop_assert_eq!(Some(id), oldest, "not the oldest of its flow");
+                        // Fair turns: every other flow of the band that has waited since this flow's last turn
+                        // was served in between.
+                        if let Some(others) = since.get(&(priority, flow)) {
+                            for (other, served) in others {
+                                let still = waiting.values().any(|w| w.0 == priority && w.1 == *other);
+                                prop_assert!(*served || !still, "flow {} waited through two turns of {}", other, flow);
+                            }
+                        }
+                        waiting.remove(&id);
+                        for ((p, f), others) in since.iter_mut() {
+                            if *p == priority && *f != flow {
+                                others.insert(flow, true);
+                            }
+                        }
+                        let waiting_others: HashMap<u8, bool> = waiting
+                            .values()
+                            .filter(|w| w.0 == priority && w.1 != flow)
+                            .map(|w| (w.1, false))
+                            .collect();
+                        since.insert((priority, flow), waiting_others);
+                    }
+                    Op::Remove(i) => {
+                        if let Some(&id) = ids.get(i) {
+                            let removed = q.remove(id);
+                            let gone = waiting.remove(&id);
+                            prop_assert_eq!(removed.is_some(), gone.is_some());
+                            // A flow removed to its last entry leaves its turn: what it sends next is new.
+                            if let Some((priority, flow, _)) = gone {
+                                if !waiting.values().any(|w| w.0 == priority && w.1 == flow) {
+                                    for ((p, _), others) in since.iter_mut() {
+                                        if *p == priority {
+                                            others.insert(flow, true);
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                prop_assert_eq!(q.len(), waiting.len());
+                prop_assert_eq!(q.bytes(), waiting.values().map(|w| w.2).sum::<usize>());
+            }
+        }
+    }
+}

@@ -1,0 +1,506 @@
+//! Flow control (`[flow_control]`): while every endpoint a request may use is **saturated**, the request waits in one
+//! central queue instead of being pushed onto some rank's own queue, and it is routed when it leaves the queue, with
+//! the load of that moment (late binding: a rank whose cache holds its prefix may have freed up by then). The same
+//! queue serves `dprouter serve` and `dprouter epp`: [`crate::routing::route`] asks [`FlowControl::admit`] before it
+//! picks.
+//!
+//! - **Saturation**, per endpoint ([`FlowControl::saturated`]), from what is known of it without asking: requests
+//!   waiting for their first token (its engine's reported queue plus what was sent since, or the gateway's own count)
+//!   at `queue_depth_threshold`, its KV cache at `kv_cache_threshold` (when its engine reports usage and capacity),
+//!   `max_in_flight_per_endpoint` requests in flight, or a load report older than `staleness_ms` (an engine that
+//!   reports and stops is busy or stuck). A request's pool is the healthy endpoints that serve its model, prefill
+//!   endpoints aside (under disaggregation its decode endpoints hold it longest); the pool is saturated when all of
+//!   them are.
+//! - **The queue** ([`dprouter_core::flow_queue`]): bands by priority, strict between bands; flows by fairness id
+//!   (a keyed client's name, else the header `x-gateway-inference-fairness-id`, else `default-flow`), taking turns
+//!   within a band; first come first served within a flow. Priority: the request's objective
+//!   (`x-gateway-inference-objective`, mapped by `[flow_control.objectives]`), else its client's, else 0.
+//! - **Admission**: with the queue empty and the pool not saturated a request goes at once. Otherwise it is refused
+//!   at once when its priority is negative (sheddable), when `max_queued_requests` wait already, or when its body
+//!   would take the bytes waiting past `max_queued_bytes` (503 with `Retry-After`); else it waits, at most its band's
+//!   queue timeout (then a 503). A client that goes away leaves the queue at once (its future is dropped).
+//! - **Dispatch**: one task looks at the queue's head each time something arrives, each time a released request
+//!   has picked its endpoint, and every 10 ms while requests wait; it releases the head while its pool is not
+//!   saturated, one at a time, each after the one before has taken its share of the load.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use axum::http::HeaderMap;
+use dprouter_core::flow_queue::FlowQueue;
+use dprouter_core::EndpointLoad;
+use tokio::sync::{oneshot, watch, Notify};
+
+use crate::clients::Client;
+use crate::config::Role;
+use crate::error::ApiError;
+use crate::flow_config::FlowControlConfig;
+use crate::registry::{Membership, Registry};
+use crate::telemetry;
+
+/// The header that names a request's flow (the Gateway API Inference Extension's).
+pub const FAIRNESS_HEADER: &str = "x-gateway-inference-fairness-id";
+/// The header that names a request's objective, mapped to its priority.
+pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
+/// The flow of a request that names none.
+pub const DEFAULT_FLOW: &str = "default-flow";
+/// The longest fairness id taken.
+const MAX_FLOW_ID_BYTES: usize = 256;
+/// While requests wait, the pool is looked at again this often.
+const TICK: Duration = Duration::from_millis(10);
+/// How long the dispatcher waits for a released request to pick its endpoint before it looks again.
+const ACK_WAIT: Duration = Duration::from_millis(100);
+/// Why requests are refused or leave the queue, for `dprouter_queue_refusals_total`.
+const REASONS: [&str; 5] = ["shed", "queue_full", "queue_bytes", "timeout", "client_gone"];
+
+/// A queued request: how to release it, and what decides whether it may go.
+struct Waiter {
+    release: oneshot::Sender<Released>,
+    model: Option<String>,
+}
+
+/// What a released request gets: its place among the requests let through and not picked yet, and how to say it
+/// has picked.
+struct Released {
+    pending: Pending,
+    picked: oneshot::Sender<()>,
+}
+
+/// One request let through that has not picked its endpoint yet, counted in [`FlowControl::pending`] while it
+/// lives (however it ends: picked, refused, or its client gone before it even read its release).
+struct Pending(Arc<FlowControl>);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        self.0.pending.fetch_sub(1, Ordering::Relaxed);
+        self.0.wake.notify_one();
+    }
+}
+
+struct Queue {
+    entries: FlowQueue<Waiter>,
+    /// Bands that ever held a request (their gauges go back to 0 when they empty).
+    bands_seen: BTreeSet<i32>,
+}
+
+/// The central queue and its dispatcher's signal.
+pub struct FlowControl {
+    config: FlowControlConfig,
+    queue: Mutex<Queue>,
+    wake: Notify,
+    /// Requests let through that have not picked their endpoint yet: their load is not on any endpoint, so a
+    /// request arriving meanwhile waits its turn rather than pass them on a pool they may saturate.
+    pending: AtomicUsize,
+}
+
+/// What flow control knows of a request.
+pub struct Demand<'a> {
+    /// The model as the workers know it (`None`: any worker serves it).
+    pub model: Option<&'a str>,
+    pub priority: i32,
+    pub flow: &'a str,
+    /// Its body's bytes, held while it waits.
+    pub bytes: usize,
+}
+
+/// A request flow control let through. Dropped once the request has its endpoint (or gave up), it tells the
+/// dispatcher to look at the pool again.
+pub struct Admitted {
+    picked: Option<oneshot::Sender<()>>,
+    /// Whether it waited in the queue (the membership it was parsed against is then old).
+    pub waited: bool,
+    /// Dropped after the dispatcher is told (fields drop after [`Drop::drop`]).
+    _pending: Pending,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        if let Some(picked) = self.picked.take() {
+            let _ = picked.send(());
+        }
+    }
+}
+
+impl FlowControl {
+    /// Flow control as configured; `None` when it is off.
+    pub fn new(config: &FlowControlConfig) -> Option<Arc<Self>> {
+        if !config.enabled {
+            return None;
+        }
+        Some(Arc::new(Self {
+            config: config.clone(),
+            queue: Mutex::new(Queue {
+                entries: FlowQueue::new(),
+                bands_seen: BTreeSet::new(),
+            }),
+            wake: Notify::new(),
+            pending: AtomicUsize::new(0),
+        }))
+    }
+
+    /// One more request let through and not picked yet.
+    fn pending(self: &Arc<Self>) -> Pending {
+        self.pending.fetch_add(1, Ordering::Relaxed);
+        Pending(Arc::clone(self))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The flow and the priority of a request of `client` (when keyed) with `headers`.
+    pub fn classify(&self, client: Option<&Client>, headers: &HeaderMap) -> Result<(String, i32), ApiError> {
+        let objective = headers
+            .get(OBJECTIVE_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .and_then(|name| self.config.objectives.get(name));
+        let priority = objective.copied().or(client.map(|c| c.priority)).unwrap_or(0);
+        if let Some(client) = client {
+            // A keyed client's flow is its own: a header cannot put it in another's.
+            return Ok((client.name.to_string(), priority));
+        }
+        let flow = match headers.get(FAIRNESS_HEADER) {
+            None => DEFAULT_FLOW.to_string(),
+            Some(v) => {
+                let id = v.to_str().map(str::trim).unwrap_or("");
+                if id.is_empty() || id.len() > MAX_FLOW_ID_BYTES {
+                    return Err(ApiError::BadRequest(format!(
+                        "{FAIRNESS_HEADER} must be 1 to {MAX_FLOW_ID_BYTES} bytes of text"
+                    )));
+                }
+                id.to_string()
+            }
+        };
+        Ok((flow, priority))
+    }
+
+    /// Lets the request go at once, or queues it until its pool has room (see the module documentation).
+    pub async fn admit(self: &Arc<Self>, registry: &Registry, demand: Demand<'_>) -> Result<Admitted, ApiError> {
+        let band = demand.priority.to_string();
+        let (id, released) = {
+            let mut queue = self.lock();
+            let saturated = self.pool_saturated(&registry.membership(), demand.model);
+            if !saturated && queue.entries.is_empty() && self.pending.load(Ordering::Relaxed) == 0 {
+                return Ok(Admitted {
+                    picked: None,
+                    waited: false,
+                    _pending: self.pending(),
+                });
+            }
+            let refuse = |reason: &'static str, message: String| {
+                metrics::counter!(telemetry::QUEUE_REFUSALS, "reason" => reason).increment(1);
+                Err(ApiError::Overloaded(message))
+            };
+            // Not saturated, only behind requests about to pick: it waits a moment, whatever its priority.
+            if saturated && demand.priority < 0 {
+                return refuse(
+                    "shed",
+                    format!(
+                        "every endpoint this request may use is saturated, and its priority ({}) is sheddable",
+                        demand.priority
+                    ),
+                );
+            }
+            let c = &self.config;
+            if queue.entries.len() >= c.max_queued_requests {
+                return refuse(
+                    "queue_full",
+                    format!(
+                        "every endpoint is saturated and {} requests wait already",
+                        c.max_queued_requests
+                    ),
+                );
+            }
+            if queue.entries.bytes().saturating_add(demand.bytes) > c.max_queued_bytes {
+                return refuse(
+                    "queue_bytes",
+                    format!(
+                        "every endpoint is saturated and the requests waiting hold {} of the {} bytes allowed",
+                        queue.entries.bytes(),
+                        c.max_queued_bytes
+                    ),
+                );
+            }
+            let (release, released) = oneshot::channel();
+            let waiter = Waiter {
+                release,
+                model: demand.model.map(str::to_owned),
+            };
+            let id = queue.entries.push(demand.priority, demand.flow, demand.bytes, waiter);
+            publish(&mut queue);
+            (id, released)
+        };
+        self.wake.notify_one();
+        let enqueued = Instant::now();
+        let mut leave = Leave {
+            flow: self,
+            id: Some(id),
+            reason: "client_gone",
+        };
+        let timeout_ms = self.config.timeout_ms(demand.priority);
+        match tokio::time::timeout(Duration::from_millis(timeout_ms), released).await {
+            Ok(Ok(released)) => {
+                leave.id = None;
+                metrics::histogram!(telemetry::QUEUE_WAIT, "band" => band).record(enqueued.elapsed().as_secs_f64());
+                Ok(Admitted {
+                    picked: Some(released.picked),
+                    waited: true,
+                    _pending: released.pending,
+                })
+            }
+            Ok(Err(_)) => {
+                leave.id = None;
+                Err(ApiError::Overloaded(
+                    "flow control stopped before the request left the queue".into(),
+                ))
+            }
+            Err(_) => {
+                leave.reason = "timeout";
+                Err(ApiError::Overloaded(format!(
+                    "the request waited {timeout_ms} ms while every endpoint it may use was saturated"
+                )))
+            }
+        }
+    }
+
+    /// Whether every healthy endpoint that serves `model` (prefill endpoints aside) is saturated; not when there is
+    /// none (routing then says why).
+    pub fn pool_saturated(&self, membership: &Membership, model: Option<&str>) -> bool {
+        let now = crate::clock::now_us();
+        let snapshot = &membership.snapshot;
+        let mut pool = snapshot
+            .healthy()
+            .iter()
+            .copied()
+            .filter(|&r| {
+                let t = &membership.targets[r];
+                t.role != Role::Prefill && model.is_none_or(|m| t.serves(m))
+            })
+            .peekable();
+        pool.peek().is_some()
+            && pool.all(|r| self.saturated(snapshot.load(r), snapshot.endpoints()[r].kv_capacity, now))
+    }
+
+    /// Whether an endpoint with `load` and `kv_capacity` is saturated at `now_us` (see the module documentation).
+    pub fn saturated(&self, load: &EndpointLoad, kv_capacity: Option<u64>, now_us: u64) -> bool {
+        let c = &self.config;
+        if c.max_in_flight_per_endpoint > 0 && load.in_flight_requests() >= c.max_in_flight_per_endpoint {
+            return true;
+        }
+        if load.queued_prefill_requests() >= c.queue_depth_threshold {
+            return true;
+        }
+        if let (Some(report), Some(capacity)) = (load.last_report(), kv_capacity.filter(|&c| c > 0)) {
+            if report.tokens as f64 >= c.kv_cache_threshold * capacity as f64 {
+                return true;
+            }
+        }
+        load.reported_at_us()
+            .is_some_and(|at| now_us.saturating_sub(at) > c.staleness_ms.saturating_mul(1000))
+    }
+
+    /// Releases the queue's head while its pool has room, one request at a time.
+    async fn release_while_room(self: &Arc<Self>, registry: &Registry) {
+        loop {
+            let membership = registry.membership();
+            let waiter = {
+                let mut queue = self.lock();
+                let Some((_, head)) = queue.entries.peek() else {
+                    return;
+                };
+                // A head whose client went away is taken out at once, whatever the pool; another waits while the
+                // pool is saturated, or while a request let through has not picked yet.
+                let blocked =
+                    self.pending.load(Ordering::Relaxed) > 0 || self.pool_saturated(&membership, head.model.as_deref());
+                if !head.release.is_closed() && blocked {
+                    return;
+                }
+                let Some((_, waiter)) = queue.entries.pop() else {
+                    return;
+                };
+                publish(&mut queue);
+                waiter
+            };
+            let (picked, was_picked) = oneshot::channel();
+            let released = Released {
+                pending: self.pending(),
+                picked,
+            };
+            // Its client gone, the release is dropped here, and with it its place among the pending.
+            if waiter.release.send(released).is_ok() {
+                let _ = tokio::time::timeout(ACK_WAIT, was_picked).await;
+            }
+        }
+    }
+}
+
+/// A queued request's place, given up if the request leaves without being released (its client went away, or its
+/// deadline passed).
+struct Leave<'a> {
+    flow: &'a FlowControl,
+    id: Option<u64>,
+    reason: &'static str,
+}
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let Some(id) = self.id else { return };
+        let mut queue = self.flow.lock();
+        if queue.entries.remove(id).is_some() {
+            metrics::counter!(telemetry::QUEUE_REFUSALS, "reason" => self.reason).increment(1);
+            publish(&mut queue);
+        }
+    }
+}
+
+/// The queue's gauges, per band.
+fn publish(queue: &mut Queue) {
+    let bands = queue.entries.bands();
+    for band in &bands {
+        queue.bands_seen.insert(band.priority);
+    }
+    for &priority in &queue.bands_seen {
+        let size = bands.iter().find(|b| b.priority == priority);
+        let label = priority.to_string();
+        metrics::gauge!(telemetry::QUEUE_REQUESTS, "band" => label.clone()).set(size.map_or(0, |b| b.requests) as f64);
+        metrics::gauge!(telemetry::QUEUE_BYTES, "band" => label).set(size.map_or(0, |b| b.bytes) as f64);
+    }
+}
+
+/// The dispatcher: releases queued requests as their pools free up, until `stop`. The refusal counters are defined
+/// from its start, so their rates are.
+pub async fn dispatch(flow: Arc<FlowControl>, registry: Arc<Registry>, mut stop: watch::Receiver<bool>) {
+    for reason in REASONS {
+        metrics::counter!(telemetry::QUEUE_REFUSALS, "reason" => reason).increment(0);
+    }
+    loop {
+        let waiting = !flow.lock().entries.is_empty();
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            () = flow.wake.notified() => {}
+            () = tokio::time::sleep(TICK), if waiting => {}
+        }
+        flow.release_while_room(&registry).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{Backend, WorkerConfig};
+    use dprouter_core::LoadGuard;
+
+    /// Flow control over one worker of one rank, saturated at one request in flight, its queue timeout 1 s.
+    fn one_slot() -> (Arc<FlowControl>, Arc<Registry>) {
+        let config = FlowControlConfig {
+            enabled: true,
+            max_in_flight_per_endpoint: 1,
+            queue_timeout_ms: 1000,
+            ..Default::default()
+        };
+        let registry = Arc::new(Registry::new(Default::default()));
+        let worker = WorkerConfig {
+            url: "http://w:1".into(),
+            backend: Backend::Sglang,
+            dp_size: Some(1),
+            ..Default::default()
+        };
+        let info = crate::upstream::WorkerInfo {
+            dp_size: 1,
+            kv_capacity: None,
+            models: Vec::new(),
+        };
+        registry.add_worker(&worker, info).unwrap();
+        (FlowControl::new(&config).unwrap(), registry)
+    }
+
+    fn demand() -> Demand<'static> {
+        Demand {
+            model: None,
+            priority: 0,
+            flow: DEFAULT_FLOW,
+            bytes: 100,
+        }
+    }
+
+    /// The request's share of the load, as a pick takes it.
+    fn pick(registry: &Registry) -> LoadGuard {
+        let load = Arc::clone(&registry.membership().snapshot.endpoints()[0].load);
+        LoadGuard::acquire(load, 10, false)
+    }
+
+    fn pending(flow: &FlowControl) -> usize {
+        flow.pending.load(Ordering::Relaxed)
+    }
+
+    /// On every path (let through, released, timed out, client gone) nothing stays pending or queued.
+    #[tokio::test(start_paused = true)]
+    async fn every_path_leaves_nothing_pending_or_queued() {
+        let (flow, registry) = one_slot();
+        let (stop, stopped) = watch::channel(false);
+        let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
+        // Let through at once; a second request meanwhile waits for the first to pick.
+        let first = flow.admit(&registry, demand()).await.unwrap();
+        assert!(!first.waited);
+        assert_eq!(pending(&flow), 1);
+        let second = tokio::spawn({
+            let (flow, registry) = (Arc::clone(&flow), Arc::clone(&registry));
+            async move { flow.admit(&registry, demand()).await.map(|a| a.waited) }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(flow.lock().entries.len(), 1);
+        // The first picks and holds the only slot: the second waits on, for the pool now.
+        let held = pick(&registry);
+        drop(first);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(pending(&flow), 0);
+        assert_eq!(flow.lock().entries.len(), 1);
+        // The slot frees: the second is released and picks.
+        drop(held);
+        assert!(second.await.unwrap().unwrap(), "it waited");
+        assert_eq!(pending(&flow), 0);
+        assert!(flow.lock().entries.is_empty());
+        // Saturated: a request times out, and one whose client goes leaves at once.
+        let held = pick(&registry);
+        let late = flow.admit(&registry, demand()).await;
+        assert!(matches!(late, Err(ApiError::Overloaded(m)) if m.contains("waited 1000 ms")));
+        let gone = tokio::spawn({
+            let (flow, registry) = (Arc::clone(&flow), Arc::clone(&registry));
+            async move { flow.admit(&registry, demand()).await.is_ok() }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(flow.lock().entries.len(), 1);
+        assert_eq!(flow.lock().entries.bytes(), 100);
+        gone.abort();
+        let _ = gone.await;
+        assert!(flow.lock().entries.is_empty());
+        assert_eq!(flow.lock().entries.bytes(), 0);
+        drop(held);
+        assert_eq!(pending(&flow), 0);
+        stop.send_replace(true);
+        dispatcher.await.unwrap();
+    }
+
+    #[test]
+    fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
+        let config = FlowControlConfig {
+            enabled: true,
+            objectives: [("critical".to_string(), 10), ("batch".to_string(), -1)].into(),
+            ..Default::default()
+        };
+        let flow = FlowControl::new(&config).unwrap();
+        let mut headers = HeaderMap::new();
+        assert_eq!(flow.classify(None, &headers).unwrap(), (DEFAULT_FLOW.to_string(), 0));
+        headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());
+        headers.insert(OBJECTIVE_HEADER, "critical".parse().unwrap());
+        assert_eq!(flow.classify(None, &headers).unwrap(), ("tenant-a".to_string(), 10));
+        headers.insert(OBJECTIVE_HEADER, "unknown".parse().unwrap());
+        assert_eq!(flow.classify(None, &headers).unwrap().1, 0);
+        headers.insert(FAIRNESS_HEADER, "x".repeat(300).parse().unwrap());
+        assert_eq!(flow.classify(None, &headers).unwrap_err().status(), 400);
+    }
+}
