@@ -13,14 +13,20 @@ use common::{eventually, get, in_flight, post, Proc};
 use serde_json::{json, Value};
 
 /// An engine whose every answer takes `delay_ms` to its first byte, and the path of a config with flow control and
-/// `extra` settings in `[flow_control]` for it.
+/// `extra` settings in `[flow_control]` for it (one request in flight per endpoint unless they say).
 fn engine_and_config(name: &str, delay_ms: u64, extra: &str) -> (Proc, String) {
     let engine = Proc::engine(&["--dp-size", "1", "--first-byte-delay-ms", &delay_ms.to_string()]);
     let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow_control");
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join(format!("{name}.toml"));
+    // One request in flight per endpoint, unless `extra` says otherwise.
+    let slots = if extra.contains("max_in_flight_per_endpoint") {
+        ""
+    } else {
+        "max_in_flight_per_endpoint = 1\n"
+    };
     let text = format!(
-        "[flow_control]\nenabled = true\nmax_in_flight_per_endpoint = 1\n{extra}\n[flow_control.objectives]\ncritical = 10\nbatch = -1\n\n[[workers]]\nurl = {:?}\ndp_size = 1\n",
+        "[flow_control]\nenabled = true\n{slots}{extra}\n[flow_control.objectives]\ncritical = 10\nbatch = -1\n\n[[workers]]\nurl = {:?}\ndp_size = 1\n",
         engine.url
     );
     std::fs::write(&config, text).unwrap();
@@ -225,4 +231,73 @@ async fn the_pickers_queue_behind_envoy() {
         "{metrics}"
     );
     assert_eq!(completed(&c, &engine).await, 2);
+}
+
+/// A burst of 2,000 clients at once against one slow engine (4 requests in flight, 1,000 may wait): every client
+/// gets its answer or a clear 503 with `Retry-After`, and the gateway's memory grows by a bounded amount (the
+/// bodies waiting plus tens of KiB per connection; `DPROUTER_FLOW_MEMORY=print` prints the figure).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_two_thousand_clients_gets_answers_or_clear_errors_in_bounded_memory() {
+    let c = common::client();
+    let (_engine, config) = engine_and_config(
+        "burst",
+        20,
+        "max_in_flight_per_endpoint = 4\nmax_queued_requests = 1000\nqueue_timeout_ms = 60000",
+    );
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", &config]);
+    let pid = gw.child.id();
+    // Warm: the first requests' allocations are not the burst's.
+    for n in 0..20 {
+        assert_eq!(
+            post(&c, &format!("{}/v1/chat/completions", gw.url), &[], &chat(n))
+                .await
+                .status,
+            200
+        );
+    }
+    let idle = common::memory::rss(pid);
+    common::memory::reset_peak_rss(pid);
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let body = json!({"model": "dprouter/mock", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "x".repeat(1000)}]});
+    let clients: Vec<_> = (0..2000)
+        .map(|_| {
+            let (c, url, body) = (c.clone(), url.clone(), body.clone());
+            tokio::spawn(async move {
+                let reply = post(&c, &url, &[], &body).await;
+                (
+                    reply.status.as_u16(),
+                    reply.headers.get("retry-after").is_some(),
+                    reply.text,
+                )
+            })
+        })
+        .collect();
+    let (mut served, mut refused) = (0, 0);
+    for client in clients {
+        let (status, retry_after, text) = client.await.unwrap();
+        match status {
+            200 => served += 1,
+            503 => {
+                assert!(retry_after, "a 503 without Retry-After: {text}");
+                assert!(text.contains("saturated"), "{text}");
+                refused += 1;
+            }
+            other => panic!("{other}: {text}"),
+        }
+    }
+    let grown = common::memory::peak_rss(pid).saturating_sub(idle);
+    if std::env::var("DPROUTER_FLOW_MEMORY").is_ok() {
+        println!("2,000 clients at once: {served} served, {refused} refused; peak RSS {idle} + {grown} bytes");
+    }
+    assert_eq!(served + refused, 2000);
+    assert!(served >= 1000, "{served} served");
+    // 2,000 connections (each with its buffers and its request's task) and 1,000 bodies of 1 KB waiting: within
+    // 64 KiB a client (about 40 KiB measured).
+    assert!(grown < 2000 * (64 << 10), "the burst grew the gateway by {grown} bytes");
+    assert!(
+        eventually(Duration::from_secs(10), || async { in_flight(&c, &gw.url).await == 0 }).await,
+        "something was left in flight"
+    );
+    assert_eq!(waiting(&c, &gw).await, 0);
 }

@@ -112,6 +112,11 @@ impl Gateway {
     }
 }
 
+/// The process's open file descriptors.
+fn open_files() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
+}
+
 async fn engine() -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -135,7 +140,9 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
     let chat = json!({"model": "mock", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
     let mut statuses = std::collections::BTreeMap::new();
     let mut applied = None;
+    let mut most_files = 0;
     while applied.is_none() || statuses.values().sum::<usize>() < 50 {
+        most_files = most_files.max(open_files());
         let status = post(&client, &format!("{gateway}/v1/chat/completions"), &chat).await;
         *statuses.entry(status).or_insert(0usize) += 1;
         if applied.is_none() && state.registry.workers().len() == COUNT + 1 && state.discovery_synced() {
@@ -159,14 +166,23 @@ async fn ten_thousand_endpoint_slices_join_as_one_change() {
 
     // Steady: the dead workers probed every unhealthy interval (refused at once), nothing else happening; over
     // `DPROUTER_STEADY_SECS` (default 6: longer for a figure that spans several unhealthy intervals).
+    // The process's open files are sampled through the sync and meanwhile: probes run at most
+    // `max_concurrent_probes` (64) at once, not one connection per worker (9,968 files before).
     let seconds = std::env::var("DPROUTER_STEADY_SECS").map_or(6, |s| s.parse().unwrap());
     let cpu = cpu_seconds();
     let quiet = Instant::now();
-    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    while quiet.elapsed() < Duration::from_secs(seconds) {
+        most_files = most_files.max(open_files());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let steady = (cpu_seconds() - cpu) / quiet.elapsed().as_secs_f64();
     println!(
-        "{COUNT} EndpointSlices applied in {applied:?}; steady CPU {:.0}% of a core",
+        "{COUNT} EndpointSlices applied in {applied:?}; steady CPU {:.0}% of a core; at most {most_files} files open",
         steady * 100.0
+    );
+    assert!(
+        most_files < 1000,
+        "{most_files} files open while probing {COUNT} dead workers"
     );
 
     // A slice deleted: its worker leaves.
