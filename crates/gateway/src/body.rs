@@ -235,6 +235,9 @@ pub trait Watch: Send {
     fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>>;
     /// Lets the leg run to its own end when the watch is dropped (otherwise dropping it ends the leg).
     fn detach(&mut self);
+    /// This answer's first byte came: the leg's own work is over (a decode server answers only once it has the
+    /// prefill leg's KV cache).
+    fn answer_started(&mut self) {}
 }
 
 impl<B> GuardedBody<B> {
@@ -358,7 +361,13 @@ impl<B> GuardedBody<B> {
 impl<B> GuardedBody<B> {
     /// A data frame arrived: the feedback, the idle deadline.
     fn on_data(&mut self, data: &Bytes) {
+        let started = self.feedback.started();
         self.feedback.on_data(data);
+        if !started && self.feedback.started() {
+            if let Some(prefill) = self.prefill.as_mut() {
+                prefill.answer_started();
+            }
+        }
         // From the first byte on, the deadline is the idle one, moved lazily: only when it fires is it checked
         // against the last byte (no timer update per event).
         let now = tokio::time::Instant::now();

@@ -85,6 +85,10 @@ struct PrefillLeg {
     state: Arc<AppState>,
     attempt: AttemptSpan,
     timing: Timing,
+    /// Fires when the decode answer's first byte came: the prefill is over, whether or not its own answer has
+    /// begun, and its queued-prefill share is released (else a conversation's next turn could find its prefill
+    /// endpoint still counted busy and be sent elsewhere).
+    decode_started: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 impl PrefillLeg {
@@ -97,7 +101,21 @@ impl PrefillLeg {
         let label = self.target.label();
         let id = self.target.id;
         let failure = Failure::engine(self.ticket.pick.branch);
-        let sent = tokio::time::timeout_at(self.timing.first_byte, self.state.upstream.send(request)).await;
+        let upstream = self.state.upstream.clone();
+        let send = tokio::time::timeout_at(self.timing.first_byte, upstream.send(request));
+        tokio::pin!(send);
+        let sent = loop {
+            let Some(started) = self.decode_started.as_mut() else {
+                break send.as_mut().await;
+            };
+            tokio::select! {
+                sent = send.as_mut() => break sent,
+                _ = started => {
+                    self.decode_started = None;
+                    self.ticket.first_token(crate::clock::now_us());
+                }
+            }
+        };
         let response = match sent {
             Err(_) => {
                 metrics::counter!(telemetry::UPSTREAM_ERRORS, "endpoint" => label, "kind" => "timeout").increment(1);
@@ -145,7 +163,19 @@ impl PrefillLeg {
         let mut first = true;
         let mut kept = keep.then(Vec::new);
         loop {
-            let frame = match tokio::time::timeout(self.timing.idle, body.frame()).await {
+            let next = tokio::time::timeout(self.timing.idle, body.frame());
+            let next = match self.decode_started.as_mut() {
+                None => next.await,
+                Some(started) => tokio::select! {
+                    next = next => next,
+                    _ = started => {
+                        self.decode_started = None;
+                        self.ticket.first_token(crate::clock::now_us());
+                        continue;
+                    }
+                },
+            };
+            let frame = match next {
                 Err(_) => {
                     self.state.registry.record_failure(id, failure, Instant::now());
                     return Err(LegFailure::Timeout("its answer stalled".into()));
@@ -207,6 +237,8 @@ async fn read_bounded(mut body: hyper::body::Incoming, idle: Duration) -> Bytes 
 pub struct PrefillWatch {
     handle: JoinHandle<Result<(), LegFailure>>,
     label: String,
+    /// Tells the leg the decode answer began.
+    decode_started: Option<tokio::sync::oneshot::Sender<()>>,
     /// The answer the client got ended whole: the leg may finish its own (its usage report still teaches the
     /// prefill policy) rather than be aborted.
     detached: bool,
@@ -223,6 +255,12 @@ impl Watch for PrefillWatch {
 
     fn detach(&mut self) {
         self.detached = true;
+    }
+
+    fn answer_started(&mut self) {
+        if let Some(started) = self.decode_started.take() {
+            let _ = started.send(());
+        }
     }
 }
 
@@ -279,16 +317,19 @@ pub async fn forward(
         if let Some(ticket) = pair.ticket.take() {
             let attempt = span.attempt(&prefill_label, prefill_target.id.dp_rank, attempt_no);
             let request = upstream_request(&routed, &prefill_target, path_and_query, headers, attempt.traceparent())?;
+            let (started, decode_started) = tokio::sync::oneshot::channel();
             let leg = PrefillLeg {
                 ticket,
                 target: prefill_target.clone(),
                 state: Arc::clone(state),
                 attempt,
                 timing,
+                decode_started: Some(decode_started),
             };
             running = Some(PrefillWatch {
                 handle: tokio::spawn(async move { leg.run(request, false).await.map(|_| ()) }),
                 label: prefill_label.clone(),
+                decode_started: Some(started),
                 detached: false,
             });
         }
@@ -452,6 +493,8 @@ impl PrefillFirst<'_> {
                 state: Arc::clone(self.state),
                 attempt,
                 timing: self.timing,
+                // vLLM's decode leg starts after this one ends.
+                decode_started: None,
             };
             let failure = match leg.run(request, true).await {
                 Ok(answer) => {

@@ -178,25 +178,6 @@ pub async fn route(
         (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
         _ => None,
     };
-    // Flow control: while every endpoint the request may use is saturated it waits here, and the pick below is made
-    // with the load of the moment it leaves (late binding). A pin passes the queue by, as it passes the balancer.
-    let admitted = match (&state.flow, route.rank_override) {
-        (Some(flow), None) => {
-            let (flow_id, priority) = flow.classify(client.as_deref(), headers)?;
-            let demand = crate::flow::Demand {
-                model: served.as_deref(),
-                priority,
-                flow: &flow_id,
-                bytes: bytes.len(),
-            };
-            Some(flow.admit(&state.registry, demand).await?)
-        }
-        _ => None,
-    };
-    let membership = match &admitted {
-        Some(a) if a.waited => state.registry.membership(),
-        _ => membership,
-    };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
     // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
     if let (Some(model), Some(rank)) = (
@@ -212,9 +193,6 @@ pub async fn route(
             )));
         }
     }
-    // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
-    // whose models are unknown) shares the default policy rather than growing the table.
-    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     if let Some(tokenizer) = state
         .tokenizers
         .for_model(served.as_deref().or(membership.sole_model()))
@@ -224,6 +202,30 @@ pub async fn route(
     if let Some(client) = &client {
         client.admit_tokens(route.input_tokens)?;
     }
+    // Flow control: while every endpoint the request may use is saturated it waits here, and the pick below is made
+    // with the load of the moment it leaves (late binding). A pin passes the queue by, as it passes the balancer.
+    let admitted = match (&state.flow, route.rank_override) {
+        (Some(flow), None) => {
+            let (flow_id, priority) = flow.classify(client.as_deref(), headers)?;
+            let demand = crate::flow::Demand {
+                model: served.as_deref(),
+                priority,
+                flow: &flow_id,
+                bytes: bytes.len(),
+            };
+            Some(flow.admit(&state.registry, demand).await?)
+        }
+        _ => None,
+    };
+    // Everything below reads the membership of the moment the request left the queue.
+    let membership = match &admitted {
+        Some(a) if a.waited => state.registry.membership(),
+        _ => membership,
+    };
+    let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
+    // Per-model state for the models workers are known to serve only: a name a client makes up (taken by a worker
+    // whose models are unknown) shares the default policy rather than growing the table.
+    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     route.now_us = crate::clock::now_us();
     let home = previous_response_id
         .filter(|_| responses_api)
