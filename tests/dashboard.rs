@@ -286,8 +286,16 @@ async fn flow_control_scrape(c: &common::HttpClient) -> String {
     let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
     let url = format!("{}/generate", gw.url);
     let body = json!({"text": "queued", "sampling_params": {"max_new_tokens": 2}}).to_string();
-    let (a, b) = tokio::join!(send(c, &url, &[], body.clone()), send(c, &url, &[], body));
-    for reply in [read(a).await, read(b).await] {
+    let first = tokio::spawn({
+        let (c, url, body) = (c.clone(), url.clone(), body.clone());
+        async move { read(send(&c, &url, &[], body).await).await }
+    });
+    let saturated = eventually(Duration::from_secs(5), || async {
+        get(c, &format!("{}/workers", gw.url)).await.json["workers"][0]["endpoints"][0]["saturated"] == true
+    });
+    assert!(saturated.await, "the endpoint never looked saturated");
+    let second = read(send(c, &url, &[], body).await).await;
+    for reply in [first.await.unwrap(), second] {
         assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
     }
     get(c, &format!("{}/metrics", gw.url)).await.text

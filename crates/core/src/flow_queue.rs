@@ -148,6 +148,44 @@ impl<T> FlowQueue<T> {
         Some((entry.id, entry.item))
     }
 
+    /// Takes the first entry in service order that `ready` lets go: bands by priority, their flows in turn, each
+    /// flow's entries oldest first, skipping those `ready` holds back. Entries are held back by what they wait for
+    /// (their pool's room), so those waiting for the same thing still go first come first served, and one for
+    /// another pool need not wait behind them. The flow it came from passes its turn to the next.
+    pub fn pop_first(&mut self, ready: impl Fn(&T) -> bool) -> Option<(u64, T)> {
+        let mut found = None;
+        'bands: for (&priority, band) in self.bands.iter().rev() {
+            for (turn, flow) in band.turns.iter().enumerate() {
+                if let Some(at) = band.flows.get(flow)?.iter().position(|e| ready(&e.item)) {
+                    found = Some((priority, turn, at));
+                    break 'bands;
+                }
+            }
+        }
+        let (priority, turn, at) = found?;
+        let band = self.bands.get_mut(&priority)?;
+        let flow = band.turns.remove(turn)?;
+        let queue = band.flows.get_mut(&flow)?;
+        let entry = queue.remove(at)?;
+        if queue.is_empty() {
+            band.flows.remove(&flow);
+        } else {
+            band.turns.push_back(flow);
+        }
+        self.taken(priority, entry.bytes);
+        self.places.remove(&entry.id);
+        Some((entry.id, entry.item))
+    }
+
+    /// Whether any entry waiting is one `matches` picks out.
+    pub fn any(&self, matches: impl Fn(&T) -> bool) -> bool {
+        self.bands
+            .values()
+            .flat_map(|band| band.flows.values())
+            .flatten()
+            .any(|e| matches(&e.item))
+    }
+
     /// Takes the entry `id` out wherever it waits (its client went away, or its deadline passed).
     pub fn remove(&mut self, id: u64) -> Option<T> {
         let (priority, flow) = self.places.remove(&id)?;
@@ -213,6 +251,28 @@ mod tests {
         assert!(q.is_empty());
         assert_eq!(q.bytes(), 0);
         assert!(q.bands().is_empty());
+    }
+
+    #[test]
+    fn an_entry_that_may_go_passes_those_that_may_not() {
+        let mut q = FlowQueue::new();
+        q.push(5, "a", 1, ("busy", 0));
+        q.push(5, "a", 1, ("free", 1));
+        q.push(0, "b", 1, ("free", 2));
+        q.push(0, "c", 1, ("busy", 3));
+        q.push(0, "d", 1, ("free", 4));
+        let free = |item: &(&str, u32)| item.0 == "free";
+        // The higher band first, past its busy oldest; then band 0's flows in turn, past c's busy one.
+        assert_eq!(q.pop_first(free).map(|(_, i)| i.1), Some(1));
+        assert_eq!(q.pop_first(free).map(|(_, i)| i.1), Some(2));
+        assert_eq!(q.pop_first(free).map(|(_, i)| i.1), Some(4));
+        assert_eq!(q.pop_first(free), None);
+        assert!(q.any(|i| i.1 == 3));
+        assert!(!q.any(|i| i.1 == 2));
+        assert_eq!(q.len(), 2);
+        assert_eq!(q.pop().map(|(_, i)| i.1), Some(0));
+        assert_eq!(q.pop().map(|(_, i)| i.1), Some(3));
+        assert!(q.is_empty() && q.bytes() == 0);
     }
 
     #[test]

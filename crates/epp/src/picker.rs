@@ -555,7 +555,9 @@ impl Stream {
                     break;
                 }
                 let other = &membership.targets[rank];
+                // A fallback must take the same key: the headers carry the chosen worker's.
                 if other.id.worker == target.id.worker
+                    || other.auth != target.auth
                     || routing::injects_rank(other)
                     || !routed.serving(rank)
                     || !allowed(other)

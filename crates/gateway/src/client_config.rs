@@ -32,7 +32,7 @@ impl ClientConfig {
     /// The key's digest as bytes, if it is 64 hex digits.
     pub fn digest(&self) -> Option<[u8; 32]> {
         let hex = self.key_sha256.trim().as_bytes();
-        if hex.len() != 64 {
+        if hex.len() != 64 || !hex.iter().all(u8::is_ascii_hexdigit) {
             return None;
         }
         let mut out = [0u8; 32];
@@ -66,9 +66,9 @@ pub fn validate_clients(clients: &[ClientConfig]) -> Result<(), String> {
             return Err(format!("client `{who}`: a model name is empty"));
         }
         if let Some(rate) = c.requests_per_second {
-            if !(rate.is_finite() && rate > 0.0 && rate <= 1e6) {
+            if !(rate.is_finite() && (1e-6..=1e6).contains(&rate)) {
                 return Err(format!(
-                    "client `{who}`: requests_per_second must be above 0 and at most 1,000,000, got {rate}"
+                    "client `{who}`: requests_per_second must be from 0.000001 to 1,000,000, got {rate}"
                 ));
             }
         }
@@ -102,7 +102,14 @@ mod tests {
     #[test]
     fn digests_are_64_hex_digits() {
         assert_eq!(client("a", A).digest().unwrap()[..2], [0x2c, 0x26]);
-        for bad in ["", "2c26", &A[..63], &format!("{}g", &A[..63]), &format!("{A}00")] {
+        for bad in [
+            "",
+            "2c26",
+            &A[..63],
+            &format!("{}g", &A[..63]),
+            &format!("{A}00"),
+            &format!("+a{}", &A[2..]),
+        ] {
             assert!(client("a", bad).digest().is_none(), "{bad}");
         }
     }

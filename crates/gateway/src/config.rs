@@ -524,6 +524,7 @@ impl GatewayConfig {
             }
         }
         self.flow_control.validate().map_err(ConfigError::Invalid)?;
+
         Ok(())
     }
 }

@@ -13,15 +13,16 @@
 //!   them are.
 //! - **The queue** ([`dprouter_core::flow_queue`]): bands by priority, strict between bands; flows by fairness id
 //!   (a keyed client's name, else the header `x-gateway-inference-fairness-id`, else `default-flow`), taking turns
-//!   within a band; first come first served within a flow. Priority: the request's objective
+//!   within a band; first come first served within a flow (among its requests for one pool: a request for a model
+//!   whose pool has room passes one whose pool is full). Priority: the request's objective
 //!   (`x-gateway-inference-objective`, mapped by `[flow_control.objectives]`), else its client's, else 0.
-//! - **Admission**: with the queue empty and the pool not saturated a request goes at once. Otherwise it is refused
+//! - **Admission**: with none of its pool's requests waiting and the pool not saturated a request goes at once. Otherwise it is refused
 //!   at once when its priority is negative (sheddable), when `max_queued_requests` wait already, or when its body
 //!   would take the bytes waiting past `max_queued_bytes` (503 with `Retry-After`); else it waits, at most its band's
 //!   queue timeout (then a 503). A client that goes away leaves the queue at once (its future is dropped).
-//! - **Dispatch**: one task looks at the queue's head each time something arrives, each time a released request
-//!   has picked its endpoint, and every 10 ms while requests wait; it releases the head while its pool is not
-//!   saturated, one at a time, each after the one before has taken its share of the load.
+//! - **Dispatch**: one task looks at the queue each time something arrives, each time a request let through has
+//!   picked its endpoint, and every 10 ms while requests wait; it releases, in service order, the first request whose
+//!   pool is not saturated, one at a time, each after the one before has taken its share of the load.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -88,6 +89,9 @@ struct Queue {
 /// The central queue and its dispatcher's signal.
 pub struct FlowControl {
     config: FlowControlConfig,
+    /// A load report older than this is stale, microseconds: `staleness_ms`, or more when a poll round can take
+    /// longer (the poll interval plus the probe timeout its slowest worker may take).
+    stale_after_us: u64,
     queue: Mutex<Queue>,
     wake: Notify,
     /// Requests let through that have not picked their endpoint yet: their load is not on any endpoint, so a
@@ -124,12 +128,14 @@ impl Drop for Admitted {
 }
 
 impl FlowControl {
-    /// Flow control as configured; `None` when it is off.
-    pub fn new(config: &FlowControlConfig) -> Option<Arc<Self>> {
+    /// Flow control as configured; `None` when it is off. `poll_round_ms`: the longest a round of load polls may
+    /// take (0: no polling), under which no report counts as stale.
+    pub fn new(config: &FlowControlConfig, poll_round_ms: u64) -> Option<Arc<Self>> {
         if !config.enabled {
             return None;
         }
         Some(Arc::new(Self {
+            stale_after_us: config.staleness_ms.max(poll_round_ms).saturating_mul(1000),
             config: config.clone(),
             queue: Mutex::new(Queue {
                 entries: FlowQueue::new(),
@@ -157,7 +163,12 @@ impl FlowControl {
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
             .and_then(|name| self.config.objectives.get(name));
-        let priority = objective.copied().or(client.map(|c| c.priority)).unwrap_or(0);
+        // An objective may lower a keyed client's priority, never raise it past its own.
+        let priority = match (client, objective.copied()) {
+            (Some(c), Some(o)) => o.min(c.priority),
+            (Some(c), None) => c.priority,
+            (None, o) => o.unwrap_or(0),
+        };
         if let Some(client) = client {
             // A keyed client's flow is its own: a header cannot put it in another's.
             return Ok((client.name.to_string(), priority));
@@ -183,7 +194,9 @@ impl FlowControl {
         let (id, released) = {
             let mut queue = self.lock();
             let saturated = self.pool_saturated(&registry.membership(), demand.model);
-            if !saturated && queue.entries.is_empty() && self.pending.load(Ordering::Relaxed) == 0 {
+            // Another pool's requests waiting do not hold this one up; its own do (first come first served).
+            let same_pool = |w: &Waiter| w.model.as_deref() == demand.model;
+            if !saturated && !queue.entries.any(same_pool) {
                 return Ok(Admitted {
                     picked: None,
                     waited: false,
@@ -194,7 +207,7 @@ impl FlowControl {
                 metrics::counter!(telemetry::QUEUE_REFUSALS, "reason" => reason).increment(1);
                 Err(ApiError::Overloaded(message))
             };
-            // Not saturated, only behind requests about to pick: it waits a moment, whatever its priority.
+            // Not saturated, only behind its pool's requests about to go: it waits a moment, whatever its priority.
             if saturated && demand.priority < 0 {
                 return refuse(
                     "shed",
@@ -299,35 +312,28 @@ impl FlowControl {
             }
         }
         load.reported_at_us()
-            .is_some_and(|at| now_us.saturating_sub(at) > c.staleness_ms.saturating_mul(1000))
+            .is_some_and(|at| now_us.saturating_sub(at) > self.stale_after_us)
     }
 
-    /// Releases the queue's head while its pool has room, one request at a time.
+    /// Releases queued requests while their pools have room, one at a time, in service order: the first whose pool
+    /// is not saturated (a request whose client went away is taken out at once).
     async fn release_while_room(self: &Arc<Self>, registry: &Registry) {
         loop {
             let membership = registry.membership();
-            let waiter = {
+            let (waiter, released, was_picked) = {
                 let mut queue = self.lock();
-                let Some((_, head)) = queue.entries.peek() else {
-                    return;
-                };
-                // A head whose client went away is taken out at once, whatever the pool; another waits while the
-                // pool is saturated, or while a request let through has not picked yet.
-                let blocked =
-                    self.pending.load(Ordering::Relaxed) > 0 || self.pool_saturated(&membership, head.model.as_deref());
-                if !head.release.is_closed() && blocked {
-                    return;
-                }
-                let Some((_, waiter)) = queue.entries.pop() else {
+                let ready = |w: &Waiter| w.release.is_closed() || !self.pool_saturated(&membership, w.model.as_deref());
+                let Some((_, waiter)) = queue.entries.pop_first(ready) else {
                     return;
                 };
                 publish(&mut queue);
-                waiter
-            };
-            let (picked, was_picked) = oneshot::channel();
-            let released = Released {
-                pending: self.pending(),
-                picked,
+                // Counted pending before the lock is let go: no request arriving meanwhile misses it.
+                let (picked, was_picked) = oneshot::channel();
+                let released = Released {
+                    pending: self.pending(),
+                    picked,
+                };
+                (waiter, released, was_picked)
             };
             // Its client gone, the release is dropped here, and with it its place among the pending.
             if waiter.release.send(released).is_ok() {
@@ -415,7 +421,7 @@ mod tests {
             models: Vec::new(),
         };
         registry.add_worker(&worker, info).unwrap();
-        (FlowControl::new(&config).unwrap(), registry)
+        (FlowControl::new(&config, 0).unwrap(), registry)
     }
 
     fn demand() -> Demand<'static> {
@@ -443,21 +449,18 @@ mod tests {
         let (flow, registry) = one_slot();
         let (stop, stopped) = watch::channel(false);
         let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
-        // Let through at once; a second request meanwhile waits for the first to pick.
+        // Let through at once; it picks and holds the only slot, and a second request waits for it.
         let first = flow.admit(&registry, demand()).await.unwrap();
         assert!(!first.waited);
         assert_eq!(pending(&flow), 1);
+        let held = pick(&registry);
+        drop(first);
+        assert_eq!(pending(&flow), 0);
         let second = tokio::spawn({
             let (flow, registry) = (Arc::clone(&flow), Arc::clone(&registry));
             async move { flow.admit(&registry, demand()).await.map(|a| a.waited) }
         });
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        assert_eq!(flow.lock().entries.len(), 1);
-        // The first picks and holds the only slot: the second waits on, for the pool now.
-        let held = pick(&registry);
-        drop(first);
         tokio::time::sleep(Duration::from_millis(50)).await;
-        assert_eq!(pending(&flow), 0);
         assert_eq!(flow.lock().entries.len(), 1);
         // The slot frees: the second is released and picks.
         drop(held);
@@ -485,6 +488,62 @@ mod tests {
         dispatcher.await.unwrap();
     }
 
+    /// A pool that is saturated holds up its own requests only: another model's go at once, and leave the queue
+    /// as soon as their pool has room, past the first pool's.
+    #[tokio::test(start_paused = true)]
+    async fn a_saturated_pool_holds_up_its_own_requests_only() {
+        let (flow, registry) = one_slot();
+        let worker = WorkerConfig {
+            url: "http://w:2".into(),
+            backend: Backend::Sglang,
+            dp_size: Some(1),
+            models: vec!["b".into()],
+            ..Default::default()
+        };
+        let info = crate::upstream::WorkerInfo {
+            dp_size: 1,
+            kv_capacity: None,
+            models: vec!["b".into()],
+        };
+        registry.add_worker(&worker, info).unwrap();
+        let (stop, stopped) = watch::channel(false);
+        let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
+        let membership = registry.membership();
+        let rank_of = |url: &str| membership.targets.iter().position(|t| &*t.base == url).unwrap();
+        let hold = |rank: usize| LoadGuard::acquire(Arc::clone(&membership.snapshot.endpoints()[rank].load), 1, false);
+        let model = |m: &'static str| Demand {
+            model: Some(m),
+            ..demand()
+        };
+        // Model a's pool (the first worker serves any model, b's serves b) full; one of its requests waits.
+        let held_a = hold(rank_of("http://w:1"));
+        let waiting_a = tokio::spawn({
+            let (flow, registry) = (Arc::clone(&flow), Arc::clone(&registry));
+            async move { flow.admit(&registry, model("a")).await.map(|a| a.waited) }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(flow.lock().entries.len(), 1);
+        // Model b goes at once.
+        assert!(!flow.admit(&registry, model("b")).await.unwrap().waited);
+        // Both pools full (b's request waits behind nothing of its own pool, yet its pool is full): when b's frees
+        // first, b's request leaves first, past a's.
+        let held_b = hold(rank_of("http://w:2"));
+        let held_any = hold(rank_of("http://w:1"));
+        let waiting_b = tokio::spawn({
+            let (flow, registry) = (Arc::clone(&flow), Arc::clone(&registry));
+            async move { flow.admit(&registry, model("b")).await.map(|a| a.waited) }
+        });
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(flow.lock().entries.len(), 2);
+        drop(held_b);
+        assert!(waiting_b.await.unwrap().unwrap());
+        assert_eq!(flow.lock().entries.len(), 1, "a's request still waits");
+        drop((held_a, held_any));
+        assert!(waiting_a.await.unwrap().unwrap());
+        stop.send_replace(true);
+        dispatcher.await.unwrap();
+    }
+
     #[test]
     fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
         let config = FlowControlConfig {
@@ -492,7 +551,7 @@ mod tests {
             objectives: [("critical".to_string(), 10), ("batch".to_string(), -1)].into(),
             ..Default::default()
         };
-        let flow = FlowControl::new(&config).unwrap();
+        let flow = FlowControl::new(&config, 0).unwrap();
         let mut headers = HeaderMap::new();
         assert_eq!(flow.classify(None, &headers).unwrap(), (DEFAULT_FLOW.to_string(), 0));
         headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());

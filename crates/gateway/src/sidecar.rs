@@ -135,8 +135,8 @@ async fn handle(State(sidecar): State<Sidecar>, request: Request) -> Response {
 enum Failed {
     /// The server answered with an error status (the start of its body).
     Status { status: u16, body: Bytes },
-    /// No answer in time, or one that stalled.
-    Timeout(String),
+    /// No answer in time, or one that stalled: what, and after how long.
+    Timeout(String, Duration),
     /// No connection, or a broken exchange.
     Broken(String),
 }
@@ -146,18 +146,18 @@ impl Failed {
         match self {
             Failed::Status { status, body } => format!(
                 "the prefill leg at {endpoint} answered {status}: {}",
-                String::from_utf8_lossy(body).trim()
+                crate::throttled::clip(String::from_utf8_lossy(body).trim())
             ),
-            Failed::Timeout(m) => format!("the prefill leg at {endpoint} timed out: {m}"),
+            Failed::Timeout(m, _) => format!("the prefill leg at {endpoint} timed out: {m}"),
             Failed::Broken(m) => format!("the prefill leg at {endpoint} failed: {m}"),
         }
     }
 
     /// What the client gets when the leg failed before the decode answer began.
-    fn answer(self, endpoint: &str, after: Duration) -> Response {
+    fn answer(self, endpoint: &str) -> Response {
         let mut out = match self {
             Failed::Status { status, body } if (400..500).contains(&status) => crate::legs::client_error(status, body),
-            Failed::Timeout(_) => ApiError::UpstreamTimeout {
+            Failed::Timeout(_, after) => ApiError::UpstreamTimeout {
                 endpoint: endpoint.to_string(),
                 after_ms: after.as_millis() as u64,
             }
@@ -357,7 +357,7 @@ impl Sidecar {
                     // The prefill is done: the decode answer comes next.
                     Ok(Ok(_)) => prefill = None,
                     // The decode request waits for a room that will never be ready: dropped, it is aborted.
-                    Ok(Err(failed)) => return Ok(failed.answer(endpoint, after)),
+                    Ok(Err(failed)) => return Ok(failed.answer(endpoint)),
                     Err(e) => return Err(ApiError::Upstream { endpoint: endpoint.clone(), message: e.to_string() }),
                 },
             }
@@ -483,7 +483,12 @@ async fn prefill_leg(
     keep: bool,
 ) -> Result<Option<Bytes>, Failed> {
     let response = match tokio::time::timeout(config.first_byte_timeout, upstream.send(request)).await {
-        Err(_) => return Err(Failed::Timeout("no response head in time".into())),
+        Err(_) => {
+            return Err(Failed::Timeout(
+                "no response head in time".into(),
+                config.first_byte_timeout,
+            ))
+        }
         Ok(Err(e)) => return Err(Failed::Broken(error_chain(&e))),
         Ok(Ok(response)) => response,
     };
@@ -492,7 +497,7 @@ async fn prefill_leg(
     let mut kept = (keep || !status.is_success()).then(Vec::new);
     loop {
         let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
-            Err(_) => return Err(Failed::Timeout("its answer stalled".into())),
+            Err(_) => return Err(Failed::Timeout("its answer stalled".into(), config.idle_timeout)),
             Ok(None) => break,
             Ok(Some(Err(e))) => return Err(Failed::Broken(format!("its answer broke: {e}"))),
             Ok(Some(Ok(frame))) => frame,

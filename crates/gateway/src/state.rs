@@ -82,7 +82,14 @@ impl AppState {
                 crate::response_homes::REMEMBERED,
             )),
             clients: crate::clients::Clients::new(&config.clients),
-            flow: crate::flow::FlowControl::new(&config.flow_control),
+            flow: crate::flow::FlowControl::new(&config.flow_control, {
+                let poll = config.load.poll_interval_ms;
+                if poll > 0 {
+                    poll + config.health.timeout_ms
+                } else {
+                    0
+                }
+            }),
             bodies: crate::body_budget::BodyBudget::new(config.body_budget()),
             drain_deadline: Default::default(),
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),
