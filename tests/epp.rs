@@ -415,6 +415,12 @@ async fn the_pickers_span_joins_the_trace_envoy_started() {
         "the picker joined Envoy's span, not the client's: {report}"
     );
     eprintln!("the picker's span under Envoy's {:?}", parent.name);
+    // Envoy resets a finished ext_proc stream: that is no failure of the request (status code 2 is an error).
+    let status = picked.status.as_ref().map(|s| (s.code, s.message.clone()));
+    assert!(
+        status.as_ref().is_none_or(|(code, _)| *code != 2),
+        "the picker's span says the request failed: {status:?}"
+    );
     let a = &picked.attributes;
     let (_, rank) = label_of(&reply);
     assert_eq!(picked.name, "POST /v1/chat/completions", "{report}");

@@ -668,8 +668,17 @@ impl Stream {
 }
 
 /// An error reading the stream: a message the picker cannot decode is the data plane's fault
-/// (`INVALID_ARGUMENT`), one over the size limit `RESOURCE_EXHAUSTED`; a broken stream is gone.
+/// (`INVALID_ARGUMENT`), one over the size limit `RESOURCE_EXHAUSTED`; a broken stream is gone. Envoy resets an
+/// ext_proc stream whose exchange has ended rather than closing it: the HTTP/2 transport's error under the status
+/// says the peer went, not that a message did not decode.
 fn undecodable(status: Status) -> End {
+    let mut source = std::error::Error::source(&status);
+    while let Some(error) = source {
+        if error.downcast_ref::<hyper::Error>().is_some() {
+            return End::Gone;
+        }
+        source = error.source();
+    }
     match status.code() {
         Code::OutOfRange | Code::ResourceExhausted => End::Grpc(Status::resource_exhausted(status.message())),
         Code::Internal => End::Grpc(Status::invalid_argument(status.message())),
