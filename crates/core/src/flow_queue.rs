@@ -134,18 +134,7 @@ impl<T> FlowQueue<T> {
     /// Takes the next entry: the highest band's, of the flow whose turn it is, the oldest of that flow; the flow's
     /// turn passes to the next.
     pub fn pop(&mut self) -> Option<(u64, T)> {
-        let (&priority, band) = self.bands.iter_mut().next_back()?;
-        let flow = band.turns.pop_front()?;
-        let queue = band.flows.get_mut(&flow)?;
-        let entry = queue.pop_front()?;
-        if queue.is_empty() {
-            band.flows.remove(&flow);
-        } else {
-            band.turns.push_back(flow);
-        }
-        self.taken(priority, entry.bytes);
-        self.places.remove(&entry.id);
-        Some((entry.id, entry.item))
+        self.pop_first(|_| true)
     }
 
     /// Takes the first entry in service order that `ready` lets go: bands by priority, their flows in turn, each

@@ -317,22 +317,28 @@ async fn undecodable_and_oversized_messages_are_errors_not_ok() {
     assert_eq!(status, (Code::ResourceExhausted as i32).to_string(), "{message}");
 }
 
+/// A connection to the picker at `address` that sends the HTTP/2 preface and an empty SETTINGS, then nothing.
+async fn preface_only(address: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut tcp = tokio::net::TcpStream::connect(address.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    tcp
+}
+
 /// The gRPC port is the gateway's listener in HTTP/2: 1,000 connections that open no stream (the preface and
 /// SETTINGS, then nothing) are each told to go away (GOAWAY) and closed at the idle timeout, not kept forever.
 #[tokio::test]
 async fn idle_connections_are_closed_at_the_idle_timeout() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let p = picker(|c| c.server.idle_timeout_ms = 300).await;
     let started = std::time::Instant::now();
     let mut connections = Vec::new();
     for _ in 0..1000 {
-        let mut tcp = tokio::net::TcpStream::connect(p.address.trim_start_matches("http://"))
-            .await
-            .unwrap();
-        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-            .await
-            .unwrap();
-        connections.push(tcp);
+        connections.push(preface_only(&p.address).await);
     }
     for mut tcp in connections {
         let mut read = Vec::new();
@@ -362,7 +368,7 @@ async fn idle_connections_are_closed_at_the_idle_timeout() {
 /// is served; the idle ones are closed long before their own idle timeout.
 #[tokio::test]
 async fn at_max_connections_idle_ones_make_room_for_a_new_one() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncReadExt;
     let p = picker(|c| {
         c.server.max_connections = 8;
         c.server.idle_timeout_ms = 60_000;
@@ -370,13 +376,7 @@ async fn at_max_connections_idle_ones_make_room_for_a_new_one() {
     .await;
     let mut idle = Vec::new();
     for _ in 0..8 {
-        let mut tcp = tokio::net::TcpStream::connect(p.address.trim_start_matches("http://"))
-            .await
-            .unwrap();
-        tcp.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
-            .await
-            .unwrap();
-        idle.push(tcp);
+        idle.push(preface_only(&p.address).await);
     }
     // Past the grace an idle connection gets before it may be reaped.
     tokio::time::sleep(Duration::from_millis(1200)).await;

@@ -103,31 +103,41 @@ impl Routed {
             Backend::Vllm => (None, Some(rank)),
             Backend::Openai => (None, None),
         };
-        let pieces = self
-            .layout
-            .forwarded(
-                &self.bytes,
-                rank_member
-                    .into_iter()
-                    .chain(self.model_member.clone())
-                    .chain(self.pairing_members(target, path)),
-                |kind| match kind {
-                    MemberKind::Model => self.model_member.is_some(),
-                    // The gateway pairs the legs: the client's pairing fields would contradict its own.
-                    MemberKind::Disaggregation => self.pair.is_some() || target.role != Role::Aggregated,
-                    MemberKind::Streaming | MemberKind::Length => self.vllm_prefill_leg(target),
-                    _ => false,
-                },
-                |b: &Bytes, range| b.slice(range),
-            )
-            .into_iter()
-            .map(|p| match p {
-                Piece::Text(t) => Bytes::from_static(t.as_bytes()),
-                Piece::Bytes(b) => b,
-            })
-            .collect();
+        let pieces = laid_out(
+            &self.bytes,
+            &self.layout,
+            rank_member
+                .into_iter()
+                .chain(self.model_member.clone())
+                .chain(self.pairing_members(target, path)),
+            |kind| match kind {
+                MemberKind::Model => self.model_member.is_some(),
+                // The gateway pairs the legs: the client's pairing fields would contradict its own.
+                MemberKind::Disaggregation => self.pair.is_some() || target.role != Role::Aggregated,
+                MemberKind::Streaming | MemberKind::Length => self.vllm_prefill_leg(target),
+                _ => false,
+            },
+        );
         (pieces, rank_header.map(|r| (HeaderName::from_static(RANK_HEADER), r)))
     }
+}
+
+/// The client's `bytes` laid out for a worker as pieces of them: `first` members, then the client's but its rank
+/// overrides and those `dropped` ([`Layout::forwarded`]).
+pub fn laid_out(
+    bytes: &Bytes,
+    layout: &Layout,
+    first: impl IntoIterator<Item = Bytes>,
+    dropped: impl Fn(MemberKind) -> bool,
+) -> Vec<Bytes> {
+    layout
+        .forwarded(bytes, first, dropped, |b: &Bytes, range| b.slice(range))
+        .into_iter()
+        .map(|p| match p {
+            Piece::Text(t) => Bytes::from_static(t.as_bytes()),
+            Piece::Bytes(b) => b,
+        })
+        .collect()
 }
 
 /// A body must be JSON: a request that says it is something else gets a 415.

@@ -36,7 +36,9 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::request_body::{parse_body, Layout, MemberKind, Piece};
+use dprouter_core::request_body::{parse_body, Layout, MemberKind};
+
+use crate::routing::laid_out;
 use dprouter_core::{Framing, UsageScanner};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming};
@@ -253,7 +255,7 @@ impl Sidecar {
                 if let Some(rank) = fields.disagg_prefill_dp_rank.or(rank_of_header) {
                     members.push_str(&format!(r#","routed_dp_rank":{rank}"#));
                 }
-                let prefill_body = forwarded(&bytes, layout, [Bytes::from(members)], |k| {
+                let prefill_body = laid_out(&bytes, layout, [Bytes::from(members)], |k| {
                     k == MemberKind::Disaggregation
                 });
                 (prefill_body, vec![bytes.clone()])
@@ -272,8 +274,8 @@ impl Sidecar {
                 }
                 let disaggregation = |k| k == MemberKind::Disaggregation;
                 (
-                    forwarded(&bytes, layout, [Bytes::from(members)], disaggregation),
-                    forwarded(&bytes, layout, [Bytes::from(decode_members)], disaggregation),
+                    laid_out(&bytes, layout, [Bytes::from(members)], disaggregation),
+                    laid_out(&bytes, layout, [Bytes::from(decode_members)], disaggregation),
                 )
             }
         };
@@ -301,7 +303,7 @@ impl Sidecar {
     ) -> Result<Response, ApiError> {
         let endpoint = prefill.to_string();
         let members = crate::pairing::vllm_prefill_members(path);
-        let prefill_body = forwarded(&bytes, layout, [members], |k| {
+        let prefill_body = laid_out(&bytes, layout, [members], |k| {
             matches!(
                 k,
                 MemberKind::Disaggregation | MemberKind::Streaming | MemberKind::Length
@@ -332,7 +334,7 @@ impl Sidecar {
             member.extend_from_slice(&params);
             Bytes::from(member)
         });
-        let decode_body = forwarded(&bytes, layout, member, |k| k == MemberKind::Disaggregation);
+        let decode_body = laid_out(&bytes, layout, member, |k| k == MemberKind::Disaggregation);
         let decode = leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
         self.decode_leg(decode, None).await
     }
@@ -427,24 +429,6 @@ fn prefill_address(headers: &HeaderMap) -> Result<Option<SocketAddr>, ApiError> 
             "{PREFILLER_HEADER} must name the prefill endpoint as ip:port, not {first:?}"
         ))
     })
-}
-
-/// The client's body laid out for a leg: `first` members, then the client's but its rank overrides and those
-/// `dropped`.
-fn forwarded(
-    bytes: &Bytes,
-    layout: &Layout,
-    first: impl IntoIterator<Item = Bytes>,
-    dropped: impl Fn(MemberKind) -> bool,
-) -> Vec<Bytes> {
-    layout
-        .forwarded(bytes, first, dropped, |b: &Bytes, range| b.slice(range))
-        .into_iter()
-        .map(|p| match p {
-            Piece::Text(t) => Bytes::from_static(t.as_bytes()),
-            Piece::Bytes(b) => b,
-        })
-        .collect()
 }
 
 /// A leg's request: the client's headers but the hop-by-hop ones, its length (the body's own) and those that
