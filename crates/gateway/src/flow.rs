@@ -190,7 +190,6 @@ impl FlowControl {
 
     /// Lets the request go at once, or queues it until its pool has room (see the module documentation).
     pub async fn admit(self: &Arc<Self>, registry: &Registry, demand: Demand<'_>) -> Result<Admitted, ApiError> {
-        let band = demand.priority.to_string();
         let (id, released) = {
             let mut queue = self.lock();
             let saturated = self.pool_saturated(&registry.membership(), demand.model);
@@ -257,6 +256,7 @@ impl FlowControl {
         match tokio::time::timeout(Duration::from_millis(timeout_ms), released).await {
             Ok(Ok(released)) => {
                 leave.id = None;
+                let band = demand.priority.to_string();
                 metrics::histogram!(telemetry::QUEUE_WAIT, "band" => band).record(enqueued.elapsed().as_secs_f64());
                 Ok(Admitted {
                     picked: Some(released.picked),
