@@ -99,6 +99,114 @@ pub struct BenchArgs {
     /// Print only the results: no progress and no per-policy lines on stderr.
     #[arg(long, short)]
     quiet: bool,
+    /// Measure flow control under overload instead: the workload's sessions split into two tenants (10:1) and two
+    /// priority bands, sent through an embedded gateway (the first --policy, default cache_aware) in front of the
+    /// embedded engine three times: the high band alone, everything forwarded, everything through flow control
+    /// (docs/bench.md, "Flow control under overload").
+    #[arg(long, conflicts_with_all = ["target", "compare_sim", "plot"])]
+    flow_control: bool,
+    /// With --flow-control: how long a queued request waits for the endpoint holding its prefix while another has
+    /// room (`[flow_control] prefix_wait_ms`; default the gateway's, 500).
+    #[arg(long, requires = "flow_control")]
+    prefix_wait_ms: Option<u64>,
+    /// With --flow-control: the requests waiting for a first token that saturate an endpoint (`[flow_control]
+    /// queue_depth_threshold`; default the gateway's, 5).
+    #[arg(long, requires = "flow_control", value_parser = clap::value_parser!(u64).range(1..))]
+    queue_depth_threshold: Option<u64>,
+}
+
+impl BenchArgs {
+    /// Whether only the results are printed.
+    pub fn quiet(&self) -> bool {
+        self.quiet
+    }
+
+    fn api(&self) -> Api {
+        match self.api {
+            ApiArg::Generate => Api::Generate,
+            ApiArg::Completions => Api::Completions {
+                model: self.model.clone(),
+                vocab: self.vocab,
+            },
+            ApiArg::Chat => Api::Chat {
+                model: self.model.clone(),
+            },
+        }
+    }
+}
+
+/// `--flow-control`: the three runs of [`crate::overload`], printed as one table (and written with `--json`).
+fn flow_control(
+    args: &BenchArgs,
+    cost: dprouter_sim::CostModel,
+    runtime: &tokio::runtime::Runtime,
+    interrupt: watch::Receiver<bool>,
+) -> anyhow::Result<ExitCode> {
+    let setup = crate::overload::Setup {
+        workload: &args.workload,
+        seed: args.seed,
+        dp_size: args.dp_size,
+        cost,
+        time_scale: args.time_scale,
+        policy: match args.policy.first() {
+            Some(p) => p.clone(),
+            None => PolicyConfig::from_name("cache_aware")?,
+        },
+        api: args.api(),
+        prefix_wait_ms: args.prefix_wait_ms,
+        queue_depth_threshold: args.queue_depth_threshold,
+    };
+    // The bar of the run under way.
+    let bar = std::cell::RefCell::new(indicatif::ProgressBar::hidden());
+    let results = runtime.block_on(crate::overload::run(
+        &setup,
+        interrupt.clone(),
+        &mut |name, expected| {
+            bar.borrow().finish_and_clear();
+            if let Ok(next) = progress_bar(&format!("{name} over HTTP"), expected, args.quiet) {
+                *bar.borrow_mut() = next;
+            }
+        },
+        &mut |done| bar.borrow().set_position(done as u64),
+    ));
+    bar.borrow().finish_and_clear();
+    let results = results?;
+    let heading = format!(
+        "workload {}, dp {}, preset {}, time scale {}, policy {}, queue_depth_threshold {}, prefix_wait_ms {}; \
+         tenants big:small 10:1, bands high:low 1:4 (times below are in the preset's time)",
+        args.workload.name(),
+        args.dp_size,
+        args.cost.preset,
+        args.time_scale,
+        setup.policy.name(),
+        setup.flow_config().queue_depth_threshold,
+        setup.flow_config().prefix_wait_ms
+    );
+    println!("{heading}");
+    print!("{}", crate::overload::table(&results));
+    let interrupted = *interrupt.borrow();
+    if interrupted {
+        println!("interrupted by Ctrl-C: the runs not finished are left out");
+    }
+    if let Some(path) = &args.json {
+        let doc = json!({
+            "workload": args.workload.name(),
+            "dp_size": args.dp_size,
+            "preset": args.cost.preset,
+            "time_scale": args.time_scale,
+            "policy": setup.policy.name(),
+            "flow_control": setup.flow_config(),
+            "results": results,
+            "interrupted": interrupted,
+        });
+        std::fs::write(path, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(if interrupted {
+        ExitCode::from(INTERRUPTED)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// The flag that Ctrl-C (SIGINT) sets; a second Ctrl-C exits at once with [`INTERRUPTED`]. The handler is in place
@@ -148,6 +256,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     let runtime = tokio::runtime::Runtime::new().context("starting the async runtime")?;
     let started = std::time::Instant::now();
     let interrupt = watch_interrupt(&runtime)?;
+    if args.flow_control {
+        return flow_control(&args, cost, &runtime, interrupt);
+    }
     let mut rows = Vec::new();
     // The outcome behind each row, for --plot.
     let mut outcomes = Vec::new();
@@ -170,7 +281,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         };
         let mut workload = args.workload.build(args.seed)?;
         let bar = progress_bar(&format!("{name} over HTTP"), workload.expected_requests(), args.quiet)?;
-        let BenchOutcome { outcome, stopped } = runtime.block_on(async {
+        let BenchOutcome { outcome, stopped, .. } = runtime.block_on(async {
             let (target, engine_stop) = match &args.target {
                 Some(t) => (t.clone(), None),
                 None => {
@@ -192,19 +303,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             };
             let config = BenchConfig {
                 target,
-                api: match args.api {
-                    ApiArg::Generate => Api::Generate,
-                    ApiArg::Completions => Api::Completions {
-                        model: args.model.clone(),
-                        vocab: args.vocab,
-                    },
-                    ApiArg::Chat => Api::Chat {
-                        model: args.model.clone(),
-                    },
-                },
+                api: args.api(),
                 seed: args.seed,
                 time_scale: args.time_scale,
                 routing,
+                headers: None,
             };
             let outcome = dprouter_bench::run(workload.as_mut(), &config, interrupt.clone(), &mut |done| {
                 bar.set_position(done as u64)

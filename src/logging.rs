@@ -10,7 +10,12 @@ use tracing_subscriber::{EnvFilter, Layer};
 
 /// Installs the process's subscriber: the log output, and `tracing`'s layer when given.
 pub fn init(tracing: Option<&dprouter_otel::Tracing>) {
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init_at(tracing, "info");
+}
+
+/// [`init`], logging at `level` and above unless `RUST_LOG` says otherwise.
+pub fn init_at(tracing: Option<&dprouter_otel::Tracing>, level: &str) {
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
     if let Ok(spans_off) = format!("{}=off", dprouter_otel::SPAN_TARGET).parse() {
         filter = filter.add_directive(spans_off);
     }

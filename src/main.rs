@@ -13,6 +13,7 @@ mod epp;
 mod logging;
 mod mock_engine;
 mod overhead;
+mod overload;
 mod route;
 mod serve;
 mod simulate;
@@ -63,7 +64,13 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // `serve` and `epp` install theirs once they know whether they trace.
     if !cli.command.traces() {
-        logging::init(None);
+        // `bench` runs embedded gateways and engines: their routine lines would bury its own.
+        let level = match &cli.command {
+            Command::Bench(args) if args.quiet() => "error",
+            Command::Bench(_) => "warn",
+            _ => "info",
+        };
+        logging::init_at(None, level);
     }
     let result = match cli.command {
         Command::Serve(args) => serve::run(args),

@@ -141,3 +141,62 @@ fn openai_api_run(api: &str) {
     let hit: f64 = row[7].parse().unwrap();
     assert!(hit > 0.5, "{api}: the later turns hit: {stdout}");
 }
+
+/// `--flow-control`: the workload through embedded gateways three times (the high band alone, everything forwarded,
+/// everything through flow control), each request naming its tenant and band. A burst of ten times what the engine
+/// serves: every request is answered or refused, the tenants are 10:1 by prefix group, and the high band's requests
+/// go ahead of the low band's under flow control, not when forwarded.
+#[test]
+fn flow_control_puts_the_high_band_first_under_overload() {
+    let json = std::env::temp_dir().join(format!("dprouter-bench-flow-{}.json", std::process::id()));
+    // 22 groups of 10 prompts (2,048-token prefixes) in 0.55 s; two ranks at 50 ms a prefill serve ~40 a second.
+    let out = Command::new(env!("CARGO_BIN_EXE_dprouter"))
+        .args([
+            "bench",
+            "--flow-control",
+            "--workload",
+            "groups:groups=22,prompts_per_group=10,system_len=2048,question_len=64,output_tokens=4,rate=400",
+            "--dp-size",
+            "2",
+            "--base-ms",
+            "50",
+            "--time-scale",
+            "1",
+            "--quiet",
+            "--json",
+            json.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stderr, "", "--quiet");
+    for run in ["high alone ", "forward ", "flow control "] {
+        assert!(stdout.lines().any(|l| l.starts_with(run)), "no {run}row: {stdout}");
+    }
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    let results = doc["results"].as_array().unwrap();
+    let field = |run: usize, name: &str| results[run][name].as_f64().unwrap();
+    // Groups 0, 5, 10, 15 and 20 are the high band; 10 and 21 the small tenant.
+    assert_eq!(field(0, "sent"), 50.0, "{doc}");
+    for run in [1, 2] {
+        assert_eq!(field(run, "sent"), 220.0, "{doc}");
+        let ended = field(run, "completed") + field(run, "refused") + field(run, "failed");
+        assert_eq!(ended, 220.0, "{doc}");
+        assert!((field(run, "small_sent_share") - 20.0 / 220.0).abs() < 1e-9, "{doc}");
+    }
+    assert_eq!(
+        field(1, "refused") + field(1, "failed"),
+        0.0,
+        "forwarded, all are served: {doc}"
+    );
+    let (forwarded, controlled) = (field(1, "high_ttft_p50_ms"), field(2, "high_ttft_p50_ms"));
+    assert!(
+        controlled < forwarded / 2.0,
+        "high band p50 {controlled} ms under flow control, {forwarded} ms forwarded: {doc}"
+    );
+}

@@ -83,3 +83,60 @@ async fn a_conversation_stays_with_the_endpoint_that_stored_it() {
         unknown.text
     );
 }
+
+/// With keyed clients, a stored response is its client's: another client gets the 404 of an unknown id for it, to
+/// read, delete or continue it, and its request never reaches an engine; its own client reads and continues it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_clients_responses_are_its_own() {
+    // `printf %s key-alice | sha256sum`, and bob's.
+    const ALICE: &str = "87844ec0b0d738e89628640588acaa48537b814a5c4f9697e3b352d11ffedaef";
+    const BOB: &str = "f031fc74d10cf0c1284dc15f679c18b1e8e05f9d1966adefba6c6463cdcef658";
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("responses");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("keyed.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[clients]]\nname = \"alice\"\nkey_sha256 = \"{ALICE}\"\n\n[[clients]]\nname = \"bob\"\nkey_sha256 = \"{BOB}\"\n"
+        ),
+    )
+    .unwrap();
+    let gw = Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let c = client();
+    let url = format!("{}/v1/responses", gw.url);
+    let (alice, bob) = (
+        [("authorization", "Bearer key-alice")],
+        [("authorization", "Bearer key-bob")],
+    );
+    let body = json!({"model": "m", "input": "hello", "max_output_tokens": 2});
+    let made = post(&c, &url, &alice, &body).await;
+    assert_eq!(made.status, StatusCode::OK, "{}", made.text);
+    let id = made.json["id"].as_str().unwrap().to_string();
+    let served = || async {
+        let info = get(&c, &format!("{}/get_server_info", engine.url)).await;
+        info.json["completed_requests"].as_u64().unwrap()
+    };
+    let before = served().await;
+    // Bob: unknown, to read, to delete and to continue.
+    let stored = format!("{url}/{id}");
+    for method in [hyper::Method::GET, hyper::Method::DELETE] {
+        let reply = common::call(&c, method.clone(), &stored, &bob, None).await;
+        assert_eq!(reply.status, StatusCode::NOT_FOUND, "{method} {}", reply.text);
+        assert_eq!(reply.json["error"]["type"], "not_found_error", "{}", reply.text);
+    }
+    let continued = json!({"model": "m", "input": "more", "max_output_tokens": 2, "previous_response_id": id});
+    let reply = post(&c, &url, &bob, &continued).await;
+    assert_eq!(reply.status, StatusCode::NOT_FOUND, "{}", reply.text);
+    assert!(
+        reply.json["error"]["message"].as_str().unwrap().contains(&id),
+        "{}",
+        reply.text
+    );
+    assert_eq!(served().await, before, "bob's requests reached no engine");
+    // Alice: hers, to read and to continue.
+    let read_back = common::call(&c, hyper::Method::GET, &stored, &alice, None).await;
+    assert_eq!(read_back.status, StatusCode::OK, "{}", read_back.text);
+    let reply = post(&c, &url, &alice, &continued).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+}

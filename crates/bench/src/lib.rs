@@ -88,7 +88,12 @@ pub struct BenchConfig<'a> {
     /// Real seconds per virtual second.
     pub time_scale: f64,
     pub routing: Routing<'a>,
+    /// Headers to send with each request (a tenant's fairness id, an objective), chosen per request.
+    pub headers: Option<&'a Tagger>,
 }
+
+/// Chooses a request's extra headers from the request.
+pub type Tagger = dyn Fn(&SimRequest) -> Vec<(&'static str, String)> + Sync;
 
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
@@ -116,7 +121,8 @@ enum Report {
 struct Finished {
     req: SimRequest,
     rank: usize,
-    result: Result<Measured, String>,
+    /// A failure's status (when a response came) and what went wrong.
+    result: Result<Measured, (Option<u16>, String)>,
 }
 
 struct Measured {
@@ -139,6 +145,19 @@ pub struct BenchOutcome {
     pub outcome: SimOutcome,
     /// Set when the stop signal ended the run before the workload did.
     pub stopped: Option<Stopped>,
+    /// The requests that failed (`outcome.errors` of them), in the order they ended.
+    pub failures: Vec<Failure>,
+}
+
+/// A request that did not complete.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    pub id: u64,
+    pub group: u64,
+    pub session: u64,
+    /// The response's status when one came (a refusal: 429, 503), `None` for a broken exchange.
+    pub status: Option<u16>,
+    pub message: String,
 }
 
 /// How a stopped run ended.
@@ -199,6 +218,7 @@ pub async fn run(
     // The request tasks: dropping the set aborts whatever is still in flight.
     let mut tasks = JoinSet::new();
     let mut stopped = None;
+    let mut failures = Vec::new();
     let stop_signal = async move {
         if stop.wait_for(|s| *s).await.is_err() {
             std::future::pending::<()>().await;
@@ -289,13 +309,15 @@ pub async fn run(
                             body["routed_dp_rank"] = json!(rank);
                             tickets.insert(req.id, ticket);
                         }
-                        Err(_) => {
+                        Err(e) => {
                             outcome.errors += 1;
+                            failures.push(Failure { id: req.id, group: req.group, session: req.session, status: None, message: e.to_string() });
                             on_progress(outcome.records.len() + outcome.errors as usize);
                             continue;
                         }
                     }
                 }
+                let headers = config.headers.map(|tag| tag(&req)).unwrap_or_default();
                 in_flight += 1;
                 let url = urls[(req.id % urls.len() as u64) as usize].clone();
                 let (client, tx, api) = (client.clone(), done_tx.clone(), config.api.clone());
@@ -306,7 +328,7 @@ pub async fn run(
                     }
                 };
                 tasks.spawn(async move {
-                    let result = send(&client, url, body, req.id, &tx, stand_in).await;
+                    let result = send(&client, url, body, headers, req.id, &tx, stand_in).await;
                     let _ = tx.send(Report::Finished(Finished { req, rank, result }));
                 });
             }
@@ -332,7 +354,14 @@ pub async fn run(
                 while tasks.try_join_next().is_some() {}
                 let measured = match done.result {
                     Ok(m) => m,
-                    Err(_) => {
+                    Err((status, message)) => {
+                        failures.push(Failure {
+                            id: done.req.id,
+                            group: done.req.group,
+                            session: done.req.session,
+                            status,
+                            message,
+                        });
                         outcome.errors += 1;
                         on_progress(outcome.records.len() + outcome.errors as usize);
                         continue;
@@ -376,7 +405,11 @@ pub async fn run(
     if let Some(err) = workload.take_error() {
         return Err(err.into());
     }
-    Ok(BenchOutcome { outcome, stopped })
+    Ok(BenchOutcome {
+        outcome,
+        stopped,
+        failures,
+    })
 }
 
 /// Sends one streaming request and reads it to the end, reporting its first token and its usage report on
@@ -386,18 +419,24 @@ async fn send(
     client: &HttpClient,
     url: hyper::Uri,
     body: Value,
+    headers: Vec<(&'static str, String)>,
     id: u64,
     reports: &mpsc::UnboundedSender<Report>,
     stand_in: Option<Vec<u32>>,
-) -> Result<Measured, String> {
-    let request = Request::post(url)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .map_err(|e| e.to_string())?;
-    let mut response = client.request(request).await.map_err(|e| e.to_string())?;
-    if response.status() != StatusCode::OK {
-        return Err(format!("status {}", response.status()));
+) -> Result<Measured, (Option<u16>, String)> {
+    let mut request = Request::post(url).header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(name, value);
     }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .map_err(|e| (None, e.to_string()))?;
+    let mut response = client.request(request).await.map_err(|e| (None, e.to_string()))?;
+    if response.status() != StatusCode::OK {
+        let status = response.status();
+        return Err((Some(status.as_u16()), format!("status {status}")));
+    }
+    let broken = |e: String| (None, e);
     let header = |name: &str| {
         response
             .headers()
@@ -412,7 +451,7 @@ async fn send(
     let mut scanner = UsageScanner::new(true);
     let mut usage = None;
     while let Some(frame) = response.body_mut().frame().await {
-        let frame = frame.map_err(|e| e.to_string())?;
+        let frame = frame.map_err(|e| broken(e.to_string()))?;
         if let Ok(data) = frame.into_data() {
             buffer.extend_from_slice(&data);
             if first_token.is_none() && has_output(&buffer, stand_in.is_none()) {
@@ -429,7 +468,7 @@ async fn send(
     let finish = Instant::now();
     let text = String::from_utf8_lossy(&buffer);
     if !text.trim_end().ends_with("data: [DONE]") {
-        return Err("the stream ended without [DONE]".into());
+        return Err(broken("the stream ended without [DONE]".into()));
     }
     let last: Value = text
         .split("\n\n")
@@ -437,7 +476,7 @@ async fn send(
         .filter(|e| *e != "[DONE]")
         .last()
         .and_then(|e| serde_json::from_str(e).ok())
-        .ok_or("no data events")?;
+        .ok_or_else(|| broken("no data events".into()))?;
     let meta = &last["meta_info"];
     let output_ids = match stand_in {
         Some(ids) => ids,

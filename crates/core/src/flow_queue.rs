@@ -70,6 +70,15 @@ pub struct BandSize {
     pub bytes: usize,
 }
 
+/// One flow's size within a band, for metrics.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowSize {
+    pub priority: i32,
+    pub flow: Arc<str>,
+    pub requests: usize,
+    pub bytes: usize,
+}
+
 impl<T> FlowQueue<T> {
     pub fn new() -> Self {
         Self::default()
@@ -98,6 +107,22 @@ impl<T> FlowQueue<T> {
                 priority,
                 requests: band.len,
                 bytes: band.bytes,
+            })
+            .collect()
+    }
+
+    /// Each flow with entries, by band (highest priority first), in no particular order within a band.
+    pub fn flows(&self) -> Vec<FlowSize> {
+        self.bands
+            .iter()
+            .rev()
+            .flat_map(|(&priority, band)| {
+                band.flows.iter().map(move |(flow, entries)| FlowSize {
+                    priority,
+                    flow: Arc::clone(flow),
+                    requests: entries.len(),
+                    bytes: entries.iter().map(|e| e.bytes).sum(),
+                })
             })
             .collect()
     }
@@ -232,6 +257,20 @@ mod tests {
                     requests: 6,
                     bytes: 60
                 }
+            ]
+        );
+        let mut flows: Vec<_> = q
+            .flows()
+            .into_iter()
+            .map(|f| (f.priority, f.flow.to_string(), f.requests, f.bytes))
+            .collect();
+        flows.sort();
+        assert_eq!(
+            flows,
+            [
+                (0, "big".into(), 4, 40),
+                (0, "small".into(), 2, 20),
+                (5, "urgent".into(), 1, 1)
             ]
         );
         assert_eq!(q.peek().map(|(_, s)| s.as_str()), Some("urgent0"));

@@ -623,13 +623,12 @@ impl Stream {
                 model: routed.served.clone().or(routed.model.clone()),
                 retries: 0,
             });
-            let remember = routed.responses_api && (200..300).contains(&status);
+            let remember = routed.remember(status);
             let _ = self.trace.exchange.set(exchange.clone());
             let feedback = Feedback::new(routed.ticket, sse, received, exchange).with_prefill_leg(prefill);
-            if remember {
-                feedback.remembering_the_response(Arc::clone(&state.responses))
-            } else {
-                feedback
+            match remember {
+                Some(owner) => feedback.remembering_the_response(Arc::clone(&state.responses), owner),
+                None => feedback,
             }
         });
         let reply = protocol::response_headers_reply(set);

@@ -32,7 +32,7 @@ use tokio::time::Sleep;
 use crate::access::Exchange;
 use crate::drain_deadline::{DeadlineWait, DrainDeadline};
 use crate::registry::{Failure, Registry};
-use crate::response_homes::ResponseHomes;
+use crate::response_homes::{Owner, ResponseHomes};
 use crate::telemetry;
 
 /// The ticket of a request the gateway routed.
@@ -65,7 +65,7 @@ pub struct Feedback {
     scanner: UsageScanner,
     exchange: Exchange,
     /// Where a Responses answer's id goes, once read.
-    homes: Option<Arc<ResponseHomes>>,
+    homes: Option<(Arc<ResponseHomes>, Owner)>,
     /// A disaggregated request's prefill leg that runs where the answer's carrier cannot see it
     /// ([`Feedback::with_prefill_leg`]).
     prefill: Option<Box<GatewayTicket>>,
@@ -107,10 +107,10 @@ impl Feedback {
         self
     }
 
-    /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
-    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>) -> Self {
+    /// Remembers the endpoint of the response's id (a Responses answer) for `owner`, once the scanner has read it.
+    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>, owner: Owner) -> Self {
         self.scanner = UsageScanner::with_response_id(self.sse);
-        self.homes = Some(homes);
+        self.homes = Some((homes, owner));
         self
     }
 
@@ -151,9 +151,9 @@ impl Feedback {
         if let Some(usage) = self.scanner.feed(data) {
             self.report(usage);
         }
-        if let Some(homes) = &self.homes {
+        if let Some((homes, owner)) = &self.homes {
             if let Some(id) = self.scanner.take_response_id() {
-                homes.record(id, self.endpoint);
+                homes.record(id, self.endpoint, owner.clone());
             }
         }
     }
@@ -282,9 +282,9 @@ impl<B> GuardedBody<B> {
         self
     }
 
-    /// Remembers the endpoint of the response's id (a Responses answer), once the scanner has read it.
-    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>) -> Self {
-        self.feedback = self.feedback.remembering_the_response(homes);
+    /// Remembers the endpoint of the response's id (a Responses answer) for `owner`, once the scanner has read it.
+    pub fn remembering_the_response(mut self, homes: Arc<ResponseHomes>, owner: Owner) -> Self {
+        self.feedback = self.feedback.remembering_the_response(homes, owner);
         self
     }
 

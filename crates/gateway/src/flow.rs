@@ -22,21 +22,26 @@
 //!   queue timeout (then a 503). A client that goes away leaves the queue at once (its future is dropped).
 //! - **Dispatch**: one task looks at the queue each time something arrives, each time a request let through has
 //!   picked its endpoint, and every 10 ms while requests wait; it releases, in service order, the first request whose
-//!   pool is not saturated, one at a time, each after the one before has taken its share of the load.
+//!   pool is not saturated, one at a time, each after the one before has taken its share of the load. A request let
+//!   through is routed among the endpoints of its pool with room (all of them when none has).
+//! - **Prefix affinity** (`prefix_wait_ms`, [`crate::flow_affinity`]): a request whose policy predicts its prefix
+//!   cached at a saturated endpoint waits for that endpoint while others pass it, at most `prefix_wait_ms` from the
+//!   first time it let one pass, and even then only when no other request's turn has come.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use axum::http::HeaderMap;
 use dprouter_core::flow_queue::FlowQueue;
-use dprouter_core::EndpointLoad;
+use dprouter_core::{EndpointLoad, RouteRequest};
 use tokio::sync::{oneshot, watch, Notify};
 
 use crate::clients::Client;
 use crate::config::Role;
 use crate::error::ApiError;
+use crate::flow_affinity::Affinity;
 use crate::flow_config::FlowControlConfig;
 use crate::registry::{Membership, Registry};
 use crate::telemetry;
@@ -49,6 +54,10 @@ pub const OBJECTIVE_HEADER: &str = "x-gateway-inference-objective";
 pub const DEFAULT_FLOW: &str = "default-flow";
 /// The longest fairness id taken.
 const MAX_FLOW_ID_BYTES: usize = 256;
+/// Flows with a label of their own in the queue's gauges; later ones share [`OTHER_FLOWS`].
+const MAX_FLOW_LABELS: usize = 64;
+/// The gauges' label of the flows past [`MAX_FLOW_LABELS`].
+const OTHER_FLOWS: &str = "other";
 /// While requests wait, the pool is looked at again this often.
 const TICK: Duration = Duration::from_millis(10);
 /// How long the dispatcher waits for a released request to pick its endpoint before it looks again.
@@ -60,6 +69,8 @@ const REASONS: [&str; 5] = ["shed", "queue_full", "queue_bytes", "timeout", "cli
 struct Waiter {
     release: oneshot::Sender<Released>,
     model: Option<String>,
+    /// Its routing data, when it may wait for the endpoint that holds its prefix ([`crate::flow_affinity`]).
+    affinity: Option<Affinity>,
 }
 
 /// What a released request gets: its place among the requests let through and not picked yet, and how to say it
@@ -67,6 +78,8 @@ struct Waiter {
 struct Released {
     pending: Pending,
     picked: oneshot::Sender<()>,
+    /// Its request, when it came with its routing data.
+    route: Option<RouteRequest>,
 }
 
 /// One request let through that has not picked its endpoint yet, counted in [`FlowControl::pending`] while it
@@ -82,8 +95,10 @@ impl Drop for Pending {
 
 struct Queue {
     entries: FlowQueue<Waiter>,
-    /// Bands that ever held a request (their gauges go back to 0 when they empty).
-    bands_seen: BTreeSet<i32>,
+    /// The flows with a label of their own in the gauges (at most [`MAX_FLOW_LABELS`]).
+    flow_labels: BTreeSet<Arc<str>>,
+    /// The (band, flow label) series that ever held a request (their gauges go back to 0 when they empty).
+    series_seen: BTreeSet<(i32, Arc<str>)>,
 }
 
 /// The central queue and its dispatcher's signal.
@@ -107,6 +122,9 @@ pub struct Demand<'a> {
     pub flow: &'a str,
     /// Its body's bytes, held while it waits.
     pub bytes: usize,
+    /// Its routing data, for a request that may wait for the endpoint holding its prefix (`prefix_wait_ms`); given
+    /// back in [`Admitted::route`].
+    pub affinity: Option<Affinity>,
 }
 
 /// A request flow control let through. Dropped once the request has its endpoint (or gave up), it tells the
@@ -115,6 +133,8 @@ pub struct Admitted {
     picked: Option<oneshot::Sender<()>>,
     /// Whether it waited in the queue (the membership it was parsed against is then old).
     pub waited: bool,
+    /// The request of [`Demand::affinity`], given back.
+    pub route: Option<RouteRequest>,
     /// Dropped after the dispatcher is told (fields drop after [`Drop::drop`]).
     _pending: Pending,
 }
@@ -139,7 +159,8 @@ impl FlowControl {
             config: config.clone(),
             queue: Mutex::new(Queue {
                 entries: FlowQueue::new(),
-                bands_seen: BTreeSet::new(),
+                flow_labels: BTreeSet::new(),
+                series_seen: BTreeSet::new(),
             }),
             wake: Notify::new(),
             pending: AtomicUsize::new(0),
@@ -192,13 +213,27 @@ impl FlowControl {
     pub async fn admit(self: &Arc<Self>, registry: &Registry, demand: Demand<'_>) -> Result<Admitted, ApiError> {
         let (id, released) = {
             let mut queue = self.lock();
-            let saturated = self.pool_saturated(&registry.membership(), demand.model);
+            let membership = registry.membership();
+            let (some, saturated) = self.pool_saturation(&membership, demand.model);
+            let now = crate::clock::now_us();
             // Another pool's requests waiting do not hold this one up; its own do (first come first served).
             let same_pool = |w: &Waiter| w.model.as_deref() == demand.model;
-            if !saturated && !queue.entries.any(same_pool) {
+            // With an endpoint of its pool saturated, it may want to wait for that one.
+            let held = some
+                && !saturated
+                && demand.affinity.as_ref().is_some_and(|a| {
+                    !a.turn(
+                        &membership,
+                        &|r| self.rank_saturated(&membership, r, now),
+                        demand.model,
+                        tokio::time::Instant::now(),
+                    )
+                });
+            if !saturated && !held && !queue.entries.any(same_pool) {
                 return Ok(Admitted {
                     picked: None,
                     waited: false,
+                    route: demand.affinity.map(Affinity::into_route),
                     _pending: self.pending(),
                 });
             }
@@ -221,7 +256,7 @@ impl FlowControl {
                 return refuse(
                     "queue_full",
                     format!(
-                        "every endpoint is saturated and {} requests wait already",
+                        "the gateway is overloaded: its queue is full ({} requests wait already)",
                         c.max_queued_requests
                     ),
                 );
@@ -230,7 +265,7 @@ impl FlowControl {
                 return refuse(
                     "queue_bytes",
                     format!(
-                        "every endpoint is saturated and the requests waiting hold {} of the {} bytes allowed",
+                        "the gateway is overloaded: the requests waiting hold {} of the {} bytes its queue takes",
                         queue.entries.bytes(),
                         c.max_queued_bytes
                     ),
@@ -240,6 +275,7 @@ impl FlowControl {
             let waiter = Waiter {
                 release,
                 model: demand.model.map(str::to_owned),
+                affinity: demand.affinity,
             };
             let id = queue.entries.push(demand.priority, demand.flow, demand.bytes, waiter);
             publish(&mut queue);
@@ -261,6 +297,7 @@ impl FlowControl {
                 Ok(Admitted {
                     picked: Some(released.picked),
                     waited: true,
+                    route: released.route,
                     _pending: released.pending,
                 })
             }
@@ -282,19 +319,35 @@ impl FlowControl {
     /// Whether every healthy endpoint that serves `model` (prefill endpoints aside) is saturated; not when there is
     /// none (routing then says why).
     pub fn pool_saturated(&self, membership: &Membership, model: Option<&str>) -> bool {
+        self.pool_saturation(membership, model).1
+    }
+
+    /// Whether some, and whether all, of the healthy endpoints that serve `model` (prefill endpoints aside) are
+    /// saturated; neither when there is none.
+    fn pool_saturation(&self, membership: &Membership, model: Option<&str>) -> (bool, bool) {
         let now = crate::clock::now_us();
         let snapshot = &membership.snapshot;
-        let mut pool = snapshot
-            .healthy()
-            .iter()
-            .copied()
-            .filter(|&r| {
-                let t = &membership.targets[r];
-                t.role != Role::Prefill && model.is_none_or(|m| t.serves(m))
-            })
-            .peekable();
-        pool.peek().is_some()
-            && pool.all(|r| self.saturated(snapshot.load(r), snapshot.endpoints()[r].kv_capacity, now))
+        let (mut some, mut all, mut any) = (false, true, false);
+        for &r in snapshot.healthy() {
+            let t = &membership.targets[r];
+            if t.role == Role::Prefill || model.is_some_and(|m| !t.serves(m)) {
+                continue;
+            }
+            let full = self.rank_saturated(membership, r, now);
+            (some, all, any) = (some || full, all && full, true);
+        }
+        (some, any && all)
+    }
+
+    /// Whether queued requests may wait for the endpoint that holds their prefix (`prefix_wait_ms` above 0).
+    pub fn prefix_wait(&self) -> bool {
+        self.config.prefix_wait_ms > 0
+    }
+
+    /// Whether the endpoint of global rank `rank` in `membership` is saturated at `now_us`.
+    pub fn rank_saturated(&self, membership: &Membership, rank: usize, now_us: u64) -> bool {
+        let snapshot = &membership.snapshot;
+        self.saturated(snapshot.load(rank), snapshot.endpoints()[rank].kv_capacity, now_us)
     }
 
     /// Whether an endpoint with `load` and `kv_capacity` is saturated at `now_us` (see the module documentation).
@@ -322,8 +375,28 @@ impl FlowControl {
             let membership = registry.membership();
             let (waiter, released, was_picked) = {
                 let mut queue = self.lock();
-                let ready = |w: &Waiter| w.release.is_closed() || !self.pool_saturated(&membership, w.model.as_deref());
-                let Some((_, waiter)) = queue.entries.pop_first(ready) else {
+                let now = tokio::time::Instant::now();
+                let prefix_wait = Duration::from_millis(self.config.prefix_wait_ms);
+                let room = |w: &Waiter| !self.pool_saturated(&membership, w.model.as_deref());
+                let now_us = crate::clock::now_us();
+                let full = |r: usize| self.rank_saturated(&membership, r, now_us);
+                // Its turn: its pool has room, and so has the endpoint it waits for, if it waits for one.
+                let its_turn = |w: &Waiter| {
+                    w.release.is_closed()
+                        || (room(w)
+                            && w.affinity
+                                .as_ref()
+                                .is_none_or(|a| a.turn(&membership, &full, w.model.as_deref(), now)))
+                };
+                // With nobody's turn, the first that has let others pass for `prefix_wait` takes an endpoint with
+                // room (its prefix cold there).
+                let waited_enough =
+                    |w: &Waiter| room(w) && w.affinity.as_ref().is_some_and(|a| a.waited(now, prefix_wait));
+                let popped = match queue.entries.pop_first(its_turn) {
+                    Some(popped) => Some(popped),
+                    None => queue.entries.pop_first(waited_enough),
+                };
+                let Some((_, mut waiter)) = popped else {
                     return;
                 };
                 publish(&mut queue);
@@ -332,6 +405,7 @@ impl FlowControl {
                 let released = Released {
                     pending: self.pending(),
                     picked,
+                    route: waiter.affinity.take().map(Affinity::into_route),
                 };
                 (waiter, released, was_picked)
             };
@@ -362,17 +436,27 @@ impl Drop for Leave<'_> {
     }
 }
 
-/// The queue's gauges, per band.
+/// The queue's gauges, per band and flow: a flow by its id while fewer than [`MAX_FLOW_LABELS`] ids have been
+/// seen, the later ones together as `other` (ids come from clients' headers: their number has no bound).
 fn publish(queue: &mut Queue) {
-    let bands = queue.entries.bands();
-    for band in &bands {
-        queue.bands_seen.insert(band.priority);
+    let mut sizes: BTreeMap<(i32, Arc<str>), (usize, usize)> = BTreeMap::new();
+    for f in queue.entries.flows() {
+        let label = match queue.flow_labels.contains(&f.flow) || queue.flow_labels.len() < MAX_FLOW_LABELS {
+            true => {
+                queue.flow_labels.insert(Arc::clone(&f.flow));
+                f.flow
+            }
+            false => Arc::from(OTHER_FLOWS),
+        };
+        let size = sizes.entry((f.priority, label)).or_default();
+        *size = (size.0 + f.requests, size.1 + f.bytes);
     }
-    for &priority in &queue.bands_seen {
-        let size = bands.iter().find(|b| b.priority == priority);
-        let label = priority.to_string();
-        metrics::gauge!(telemetry::QUEUE_REQUESTS, "band" => label.clone()).set(size.map_or(0, |b| b.requests) as f64);
-        metrics::gauge!(telemetry::QUEUE_BYTES, "band" => label).set(size.map_or(0, |b| b.bytes) as f64);
+    queue.series_seen.extend(sizes.keys().cloned());
+    for key in &queue.series_seen {
+        let (requests, bytes) = sizes.get(key).copied().unwrap_or_default();
+        let labels = [("band", key.0.to_string()), ("flow", key.1.to_string())];
+        metrics::gauge!(telemetry::QUEUE_REQUESTS, &labels).set(requests as f64);
+        metrics::gauge!(telemetry::QUEUE_BYTES, &labels).set(bytes as f64);
     }
 }
 
@@ -430,6 +514,7 @@ mod tests {
             priority: 0,
             flow: DEFAULT_FLOW,
             bytes: 100,
+            affinity: None,
         }
     }
 
@@ -561,5 +646,90 @@ mod tests {
         assert_eq!(flow.classify(None, &headers).unwrap().1, 0);
         headers.insert(FAIRNESS_HEADER, "x".repeat(300).parse().unwrap());
         assert_eq!(flow.classify(None, &headers).unwrap_err().status(), 400);
+    }
+
+    /// With `prefix_wait_ms`, a queued request waits for the endpoint that holds its prefix while another has
+    /// room: a request without a prefix passes it, and it takes the other endpoint only `prefix_wait_ms` after
+    /// it first let one pass; it goes to its own endpoint as soon as that has room.
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waits_a_bounded_time_for_the_endpoint_holding_its_prefix() {
+        let config = FlowControlConfig {
+            enabled: true,
+            max_in_flight_per_endpoint: 1,
+            prefix_wait_ms: 200,
+            ..Default::default()
+        };
+        let registry = Arc::new(Registry::new(Default::default()));
+        let worker = WorkerConfig {
+            url: "http://w:1".into(),
+            backend: Backend::Sglang,
+            dp_size: Some(2),
+            ..Default::default()
+        };
+        let info = crate::upstream::WorkerInfo {
+            dp_size: 2,
+            kv_capacity: None,
+            models: Vec::new(),
+        };
+        registry.add_worker(&worker, info).unwrap();
+        let flow = FlowControl::new(&config, 0).unwrap();
+        let (stop, stopped) = watch::channel(false);
+        let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
+        let policy: Arc<dyn dprouter_core::Policy> =
+            Arc::from(dprouter_core::PolicyConfig::from_name("cache_aware").unwrap().build());
+        let membership = registry.membership();
+        let snapshot = &membership.snapshot;
+        // Rank 0 holds the prompt, and is busy.
+        let prompt: Vec<u32> = (0..512).collect();
+        let cached = RouteRequest::tokens(prompt.clone());
+        let only_0 = |r: usize| r == 0;
+        let placed = dprouter_core::dispatch_among(Arc::clone(&policy), snapshot, &only_0, cached).unwrap();
+        assert_eq!(placed.pick.rank, 0);
+        drop(placed);
+        let busy = || LoadGuard::acquire(Arc::clone(&snapshot.endpoints()[0].load), 1, false);
+        let held = busy();
+        let wait_for = |tokens: Vec<u32>| {
+            let (flow, registry, policy) = (Arc::clone(&flow), Arc::clone(&registry), Arc::clone(&policy));
+            tokio::spawn(async move {
+                let affinity = Affinity::new(policy, RouteRequest::tokens(tokens));
+                let demand = Demand {
+                    affinity: Some(affinity),
+                    ..demand()
+                };
+                let admitted = flow.admit(&registry, demand).await.unwrap();
+                (
+                    tokio::time::Instant::now(),
+                    admitted.route.as_ref().map(|r| r.input_tokens),
+                )
+            })
+        };
+        let start = tokio::time::Instant::now();
+        // Its endpoint frees in time: it goes there, having waited for it.
+        let warm = wait_for(prompt.clone());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(flow.lock().entries.len(), 1, "it waits while rank 1 has room");
+        drop(held);
+        let (at, route) = warm.await.unwrap();
+        assert_eq!(route, Some(512), "its request comes back with it");
+        assert!(at - start < Duration::from_millis(100));
+        // Its endpoint stays busy: a request with no prefix anywhere passes it, and it goes after 200 ms.
+        let held = busy();
+        let start = tokio::time::Instant::now();
+        let warm = wait_for(prompt);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let cold = wait_for((10_000..10_512).collect());
+        let (at, _) = cold.await.unwrap();
+        assert!(at - start < Duration::from_millis(100), "the cold request passed");
+        assert_eq!(flow.lock().entries.len(), 1);
+        let (at, _) = warm.await.unwrap();
+        let waited = at - start;
+        assert!(
+            waited >= Duration::from_millis(200) && waited < Duration::from_millis(300),
+            "{waited:?}"
+        );
+        drop(held);
+        assert_eq!(pending(&flow), 0);
+        stop.send_replace(true);
+        dispatcher.await.unwrap();
     }
 }

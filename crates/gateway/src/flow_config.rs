@@ -31,6 +31,12 @@ pub struct FlowControlConfig {
     pub queue_timeout_ms: u64,
     /// Per priority band (its priority as a string key, `"-1"`, `"10"`), its own queue timeout.
     pub band_queue_timeout_ms: BTreeMap<String, u64>,
+    /// The longest a request waits for the endpoint that holds its prefix while another has room, milliseconds:
+    /// when its policy would choose a saturated endpoint for the prompt it holds there (a dry run of the policy
+    /// over the request's pool), the request waits in the queue until that endpoint has room, or this long, then
+    /// takes an endpoint with room (its prefix cold there). Set it near the prefill time of the prefixes you want
+    /// kept together: waiting longer costs more than computing them again. 0: never wait.
+    pub prefix_wait_ms: u64,
     /// Request objectives (the header `x-gateway-inference-objective`) and their priorities; a negative priority
     /// is sheddable: refused rather than queued while the pool is saturated.
     pub objectives: BTreeMap<String, i32>,
@@ -48,6 +54,7 @@ impl Default for FlowControlConfig {
             max_queued_bytes: 256 << 20,
             queue_timeout_ms: 60_000,
             band_queue_timeout_ms: BTreeMap::new(),
+            prefix_wait_ms: 500,
             objectives: BTreeMap::new(),
         }
     }
@@ -94,6 +101,7 @@ impl FlowControlConfig {
         let mut out = vec![
             ("flow_control.staleness_ms".to_string(), self.staleness_ms),
             ("flow_control.queue_timeout_ms".to_string(), self.queue_timeout_ms),
+            ("flow_control.prefix_wait_ms".to_string(), self.prefix_wait_ms),
         ];
         for (band, ms) in &self.band_queue_timeout_ms {
             out.push((format!("flow_control.band_queue_timeout_ms.{band}"), *ms));

@@ -425,7 +425,7 @@ pub async fn forward(
                     routing,
                     attempt,
                     timing,
-                    remember: routed.responses_api && status.is_success(),
+                    remember: routed.remember(status.as_u16()),
                     prefill: running.map(|watch| Box::new(watch) as Box<dyn Watch>),
                 };
                 let mut out = relay(state, answer, routed.ticket, target);

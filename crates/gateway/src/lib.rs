@@ -15,7 +15,8 @@
 //!    the gateway's trace spans).
 //! 2. Parts of the state, each on its own: [`crate::upstream`] (the client towards the engines),
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`],
-//!    [`crate::clients`] (who calls: keys and rate limits);
+//!    [`crate::clients`] (who calls: keys and rate limits), [`crate::flow_affinity`] (a queued request's routing
+//!    data, over the registry's membership);
 //!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
 //!    hyper writes itself).
 //! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
@@ -44,6 +45,7 @@ pub mod dns;
 pub mod drain_deadline;
 pub mod error;
 pub mod flow;
+pub mod flow_affinity;
 pub mod flow_config;
 pub mod health;
 pub mod in_flight;

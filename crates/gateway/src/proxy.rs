@@ -171,7 +171,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
             Ok(response) => {
                 let status = response.status();
                 answered(state, target, branch, &attempt, status.as_u16());
-                let remember = routed.responses_api && status.is_success();
+                let remember = routed.remember(status.as_u16());
                 let routing = Routing {
                     endpoint: label,
                     rank: target.id.dp_rank,

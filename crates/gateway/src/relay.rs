@@ -79,8 +79,8 @@ pub(crate) struct Answer {
     pub routing: Routing,
     pub attempt: AttemptSpan,
     pub timing: Timing,
-    /// Remember the endpoint of the Responses answer's id.
-    pub remember: bool,
+    /// Remember the endpoint of the Responses answer's id, for this owner (its keyed client).
+    pub remember: Option<crate::response_homes::Owner>,
     /// A disaggregated request's prefill leg, while it runs.
     pub prefill: Option<Box<dyn Watch>>,
 }
@@ -113,10 +113,9 @@ pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket
         exchange.clone(),
     );
     let body = body.cut_at(&state.drain_deadline).watching(prefill);
-    let body = if remember {
-        body.remembering_the_response(Arc::clone(&state.responses))
-    } else {
-        body
+    let body = match remember {
+        Some(owner) => body.remembering_the_response(Arc::clone(&state.responses), owner),
+        None => body,
     };
     let mut out = Response::new(Body::new(body));
     out.extensions_mut().insert(exchange);

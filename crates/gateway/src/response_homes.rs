@@ -1,5 +1,6 @@
 //! Which endpoint made each of the last Responses answers the gateway relayed (for `previous_response_id`: see
-//! [`crate::responses`]), the oldest forgotten first. A store the state holds; it imports nothing of the crate.
+//! [`crate::responses`]), and for which keyed client, the oldest forgotten first. A store the state holds; it imports
+//! nothing of the crate.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,9 @@ pub const REMEMBERED: usize = 65_536;
 /// The longest response id remembered (engines' ids are `resp_` and 32 hex digits or so).
 const MAX_ID_BYTES: usize = 256;
 
+/// The keyed client a response was made for (`None`: no clients are configured).
+pub type Owner = Option<Arc<str>>;
+
 /// Response id to the endpoint that made it, the oldest forgotten first.
 pub struct ResponseHomes {
     capacity: usize,
@@ -20,7 +24,7 @@ pub struct ResponseHomes {
 
 #[derive(Default)]
 struct Homes {
-    by_id: HashMap<Arc<str>, EndpointId>,
+    by_id: HashMap<Arc<str>, (EndpointId, Owner)>,
     order: VecDeque<Arc<str>>,
 }
 
@@ -36,14 +40,14 @@ impl ResponseHomes {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// `endpoint` made the response `id`.
-    pub fn record(&self, id: String, endpoint: EndpointId) {
+    /// `endpoint` made the response `id` for `owner`.
+    pub fn record(&self, id: String, endpoint: EndpointId, owner: Owner) {
         if id.is_empty() || id.len() > MAX_ID_BYTES {
             return;
         }
         let id: Arc<str> = Arc::from(id);
         let mut homes = self.lock();
-        if homes.by_id.insert(Arc::clone(&id), endpoint).is_some() {
+        if homes.by_id.insert(Arc::clone(&id), (endpoint, owner)).is_some() {
             return;
         }
         homes.order.push_back(id);
@@ -54,9 +58,12 @@ impl ResponseHomes {
         }
     }
 
-    /// The endpoint that made the response `id`, if it is remembered.
-    pub fn home(&self, id: &str) -> Option<EndpointId> {
-        self.lock().by_id.get(id).copied()
+    /// The endpoint that made the response `id`, if it is remembered and was made for `asker` (a keyed client's
+    /// name; `None` without clients): another client's response is unknown to it.
+    pub fn home(&self, id: &str, asker: Option<&str>) -> Option<EndpointId> {
+        let homes = self.lock();
+        let (endpoint, owner) = homes.by_id.get(id)?;
+        (owner.as_deref() == asker).then_some(*endpoint)
     }
 
     pub fn len(&self) -> usize {
@@ -79,16 +86,25 @@ mod tests {
     #[test]
     fn the_oldest_ids_are_forgotten_first() {
         let homes = ResponseHomes::new(2);
-        homes.record("a".into(), endpoint(0, 1));
-        homes.record("b".into(), endpoint(1, 0));
-        homes.record("a".into(), endpoint(0, 1));
+        homes.record("a".into(), endpoint(0, 1), None);
+        homes.record("b".into(), endpoint(1, 0), None);
+        homes.record("a".into(), endpoint(0, 1), None);
         assert_eq!(homes.len(), 2, "the same id twice is one");
-        homes.record("c".into(), endpoint(2, 0));
-        assert_eq!(homes.home("a"), None);
-        assert_eq!(homes.home("b"), Some(endpoint(1, 0)));
-        assert_eq!(homes.home("c"), Some(endpoint(2, 0)));
-        homes.record(String::new(), endpoint(0, 0));
-        homes.record("x".repeat(MAX_ID_BYTES + 1), endpoint(0, 0));
+        homes.record("c".into(), endpoint(2, 0), None);
+        assert_eq!(homes.home("a", None), None);
+        assert_eq!(homes.home("b", None), Some(endpoint(1, 0)));
+        assert_eq!(homes.home("c", None), Some(endpoint(2, 0)));
+        homes.record(String::new(), endpoint(0, 0), None);
+        homes.record("x".repeat(MAX_ID_BYTES + 1), endpoint(0, 0), None);
         assert_eq!(homes.len(), 2, "empty and oversized ids are not kept");
+    }
+
+    #[test]
+    fn a_keyed_clients_responses_are_its_own() {
+        let homes = ResponseHomes::new(4);
+        homes.record("a".into(), endpoint(0, 1), Some(Arc::from("alice")));
+        assert_eq!(homes.home("a", Some("alice")), Some(endpoint(0, 1)));
+        assert_eq!(homes.home("a", Some("bob")), None);
+        assert_eq!(homes.home("a", None), None);
     }
 }

@@ -10,6 +10,10 @@
 //! - `GET` and `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel` and `GET
 //!   /v1/responses/{id}/input_items` to its worker; a 404 for an id it does not know.
 //!
+//! With keyed clients ([`crate::clients`]) a response belongs to the client it was made for: another client naming
+//! it gets the same 404 as for an id never seen, whether it reads it or continues it, and never reaches the engine
+//! (which would serve whoever names the id).
+//!
 //! The memory ([`crate::response_homes`]) is per gateway process: behind several gateway replicas, a client's
 //! conversation must come back to the same replica (or use `prompt_cache_key` and stateless turns).
 
@@ -41,11 +45,15 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         .next()
         .unwrap_or_default()
         .to_string();
-    let home = state.responses.home(&id).ok_or_else(|| {
-        ApiError::NotFound(format!(
-            "no response `{id}` is known here: only the last {REMEMBERED} responses made through this gateway are"
-        ))
-    })?;
+    // A keyed client's responses are its own: another's is unknown to it.
+    let home = state
+        .responses
+        .home(&id, client.as_ref().map(|c| &*c.name))
+        .ok_or_else(|| {
+            ApiError::NotFound(format!(
+                "no response `{id}` is known here: only the last {REMEMBERED} responses made through this gateway are"
+            ))
+        })?;
     let membership = state.registry.membership();
     let target = membership
         .targets

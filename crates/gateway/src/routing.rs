@@ -8,7 +8,7 @@ use std::sync::Arc;
 use axum::http::{HeaderMap, HeaderName};
 use bytes::Bytes;
 use dprouter_core::request_body::{parse_body, Layout, MemberKind, Piece, RequestBody};
-use dprouter_core::{dispatch_among, Branch, EndpointId, WorkerId};
+use dprouter_core::{dispatch_among, Branch, EndpointId, RouteRequest, WorkerId};
 
 use crate::body::GatewayTicket;
 use crate::clients::Client;
@@ -47,6 +47,12 @@ pub struct Routed {
 }
 
 impl Routed {
+    /// Whether an answer of `status` is a Responses answer whose id to remember, and for whom.
+    pub fn remember(&self, status: u16) -> Option<crate::response_homes::Owner> {
+        let success = (200..300).contains(&status);
+        (self.responses_api && success).then(|| self.client.as_ref().map(|c| Arc::clone(&c.name)))
+    }
+
     /// The target the ticket names.
     pub fn target(&self) -> &Target {
         &self.membership.targets[self.ticket.pick.rank]
@@ -217,13 +223,30 @@ pub async fn route(
     let admitted = match (&state.flow, route.rank_override) {
         (Some(flow), None) => {
             let (flow_id, priority) = flow.classify(client.as_deref(), headers)?;
+            // An aggregated request may wait for the endpoint that holds its prefix (a disaggregated one takes the
+            // decode endpoint with room: its prefix is the prefill leg's).
+            let affinity = match flow.prefix_wait() && !crate::pairing::disaggregated(&membership, &serving) {
+                false => None,
+                true => {
+                    let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
+                    let policy = state.policies.for_model(known.or(membership.sole_model()));
+                    // The request waits with its routing data, and gets it back when it leaves the queue.
+                    let waiting = std::mem::replace(&mut route, RouteRequest::tokens(Vec::new()));
+                    Some(crate::flow_affinity::Affinity::new(policy, waiting))
+                }
+            };
             let demand = crate::flow::Demand {
                 model: served.as_deref(),
                 priority,
                 flow: &flow_id,
                 bytes: bytes.len(),
+                affinity,
             };
-            Some(flow.admit(&state.registry, demand).await?)
+            let mut admitted = flow.admit(&state.registry, demand).await?;
+            if let Some(taken) = admitted.route.take() {
+                route = taken;
+            }
+            Some(admitted)
         }
         _ => None,
     };
@@ -237,9 +260,23 @@ pub async fn route(
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     route.now_us = crate::clock::now_us();
-    let home = previous_response_id
-        .filter(|_| responses_api)
-        .and_then(|id| state.responses.home(&id));
+    let asker = client.as_ref().map(|c| &*c.name);
+    let home = match previous_response_id.filter(|_| responses_api) {
+        None => None,
+        Some(id) => match state.responses.home(&id, asker) {
+            Some(home) => Some(home),
+            // A keyed client continues its own responses only: any other id is unknown to it, and never reaches an
+            // engine (which would serve whoever names it).
+            None if asker.is_some() => {
+                return Err(ApiError::NotFound(format!(
+                    "no response `{id}` of this client is known here: only the last {} responses made through \
+                     this gateway are",
+                    crate::response_homes::REMEMBERED
+                )))
+            }
+            None => None,
+        },
+    };
     let scope = Scope::of(home, &membership, &|rank| {
         serving(rank) && allowed(&membership.targets[rank])
     });
@@ -263,8 +300,18 @@ pub async fn route(
     } else {
         crate::pairing::check_pin(&membership, route.rank_override, &[Role::Aggregated])?;
         let aggregated = |rank: usize| membership.targets[rank].role == Role::Aggregated && accept(rank);
+        // Under flow control a request goes to an endpoint with room while there is one: that is what it waited for.
+        let full: Vec<bool> = match &state.flow {
+            Some(flow) if admitted.is_some() => (0..membership.snapshot.len())
+                .map(|r| flow.rank_saturated(&membership, r, route.now_us))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let room = |rank: usize| !full.get(rank).copied().unwrap_or(false);
+        let any_room = membership.snapshot.healthy().iter().any(|&r| aggregated(r) && room(r));
+        let with_room = |rank: usize| aggregated(rank) && (!any_room || room(rank));
         let policy = state.policies.for_model(model_key);
-        (dispatch_among(policy, &membership.snapshot, &aggregated, route)?, None)
+        (dispatch_among(policy, &membership.snapshot, &with_room, route)?, None)
     };
     count_decision(state, ticket.pick.branch);
     // The request holds its share of the load now: the queue's dispatcher may look again.

@@ -236,6 +236,19 @@ pub trait Policy: Send + Sync {
     /// Chooses among `candidates`; a policy that keeps state records its decision here, in the same step.
     fn choose(&self, candidates: &Candidates<'_>, req: &RouteRequest, prepared: &Prepared) -> Result<Pick, RouteError>;
 
+    /// The candidate predicted to hold the most of `req`'s prompt in its prefix cache, and how many tokens of it
+    /// (ties: the fewer requests waiting for a first token, then the lower rank); `None` when no candidate is
+    /// predicted to hold any, or the policy keeps no index of what endpoints hold (all but `cache_aware`). Records
+    /// nothing. Flow control's queue uses it to wait for that endpoint ([`Candidates`] with room aside).
+    fn most_cached(
+        &self,
+        _candidates: &Candidates<'_>,
+        _req: &RouteRequest,
+        _prepared: &Prepared,
+    ) -> Option<(usize, u64)> {
+        None
+    }
+
     /// A client's rank override sent `req` to `pick.rank`: record it as `choose` records its own decisions.
     fn pinned(&self, _snap: &Snapshot, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
 

@@ -533,6 +533,22 @@ impl Policy for CacheAware {
         Ok(Pick::new(rank, branch).with_prefill(uncached).with_matched(matched))
     }
 
+    fn most_cached(&self, c: &Candidates<'_>, req: &RouteRequest, prepared: &Prepared) -> Option<(usize, u64)> {
+        let snap = c.snap();
+        let hashes = &prepared.block_hashes;
+        let mut state = self.lock();
+        self.sync(&mut state, snap);
+        let mut lens = vec![0u32; state.index.slot_count()];
+        state.index.match_lengths(hashes, &mut lens);
+        c.iter()
+            .map(|r| {
+                let slot = state.slot_of_rank[r];
+                (r, self.cached_tokens(&state, slot, req, hashes, lens[slot] as usize))
+            })
+            .filter(|&(_, cached)| cached > 0)
+            .min_by_key(|&(r, cached)| (std::cmp::Reverse(cached), snap.load(r).queued_prefill_requests(), r))
+    }
+
     fn pinned(&self, snap: &Snapshot, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
         let mut state = self.lock();
         self.sync(&mut state, snap);

@@ -339,3 +339,27 @@ fn cold_tolerance_places_a_new_prefix_by_rendezvous_whatever_the_replicas_own_qu
         drop(sent);
     }
 }
+
+#[test]
+fn most_cached_names_the_endpoint_holding_the_longest_prefix_and_records_nothing() {
+    let snap = Snapshot::single_worker(4);
+    let p = policy();
+    let first = prompt(7, 640);
+    let placed = route(&p, &snap, &RouteRequest::tokens(first.clone())).unwrap();
+    let all = crate::policy::Candidates::all(&snap);
+    // A continuation: the endpoint that got the first prompt holds its 640 tokens.
+    let mut longer = first.clone();
+    longer.extend(prompt(8, 320));
+    let req = RouteRequest::tokens(longer);
+    let prepared = p.prepare(&req);
+    assert_eq!(p.most_cached(&all, &req, &prepared), Some((placed.rank, 640)));
+    // Nobody holds an unrelated prompt; asking recorded nothing.
+    let other = RouteRequest::tokens(prompt(9, 640));
+    let prepared_other = p.prepare(&other);
+    assert_eq!(p.most_cached(&all, &other, &prepared_other), None);
+    assert_eq!(p.most_cached(&all, &other, &prepared_other), None);
+    // Among candidates without that endpoint, none holds it.
+    let elsewhere = |r: usize| r != placed.rank;
+    let without = crate::policy::Candidates::accepting(&snap, &elsewhere);
+    assert_eq!(p.most_cached(&without, &req, &prepared), None);
+}
