@@ -190,6 +190,26 @@ async fn agents_hit_their_prefill_cache_through_envoy_and_vllms_two_steps() {
     .await;
 }
 
+/// Turn `n` of agent `agent` at `url`: its prompt's tokens, the tokens cached, its prefill and decode endpoints.
+async fn turn(c: &common::HttpClient, url: &str, agent: u32, n: u32) -> (u64, u64, String, String) {
+    let ids = prompt(agent, n);
+    let stream = (agent + n) % 2 == 1;
+    let body = json!({"model": "m", "prompt": ids, "max_tokens": 8, "stream": stream,
+                      "stream_options": {"include_usage": true}});
+    let reply = post(c, url, &[], &body).await;
+    assert_eq!(reply.status, 200, "agent {agent} turn {n}: {}", reply.text);
+    let prefill = reply.headers["x-dprouter-prefill-endpoint"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let decode = reply.endpoint.clone().unwrap();
+    let cached = cached_tokens(&reply).unwrap_or_else(|| panic!("no usage in {}", reply.text));
+    if stream {
+        assert!(reply.text.contains("data: [DONE]"), "{}", reply.text);
+    }
+    (ids.len() as u64, cached, prefill, decode)
+}
+
 /// Four agents of four turns each through two prefill and two decode mocks with DP 2 (`api` their flags) behind a
 /// front door of `door` (with `flags`).
 async fn agents(door: Door, api: &[&str], flags: &[&str]) {
@@ -198,28 +218,20 @@ async fn agents(door: Door, api: &[&str], flags: &[&str]) {
     let (d1, d2) = (mock("decode", "2", api), mock("decode", "2", api));
     let gw = front(door, &c, &[&p1, &p2], &[&d1, &d2], flags).await;
 
-    let agents = (0..4u32).map(|agent| {
-        let c = c.clone();
-        let url = format!("{}/v1/completions", gw.url);
+    let url = format!("{}/v1/completions", gw.url);
+    // The agents' first turns one after another: a later turn then never finds its prefill endpoint busy with
+    // another agent's whole cold prompt (where computing its own prompt again elsewhere is as quick, and the
+    // policy may rightly take it).
+    let mut first_turns = Vec::new();
+    for agent in 0..4u32 {
+        first_turns.push(turn(&c, &url, agent, 0).await);
+    }
+    let agents = first_turns.into_iter().zip(0..4u32).map(|(first, agent)| {
+        let (c, url) = (c.clone(), url.clone());
         tokio::spawn(async move {
-            let mut turns = Vec::new();
-            for turn in 0..4u32 {
-                let ids = prompt(agent, turn);
-                let stream = (agent + turn) % 2 == 1;
-                let body = json!({"model": "m", "prompt": ids, "max_tokens": 8, "stream": stream,
-                                  "stream_options": {"include_usage": true}});
-                let reply = post(&c, &url, &[], &body).await;
-                assert_eq!(reply.status, 200, "agent {agent} turn {turn}: {}", reply.text);
-                let prefill = reply.headers["x-dprouter-prefill-endpoint"]
-                    .to_str()
-                    .unwrap()
-                    .to_string();
-                let decode = reply.endpoint.clone().unwrap();
-                let cached = cached_tokens(&reply).unwrap_or_else(|| panic!("no usage in {}", reply.text));
-                if stream {
-                    assert!(reply.text.contains("data: [DONE]"), "{}", reply.text);
-                }
-                turns.push((ids.len() as u64, cached, prefill, decode));
+            let mut turns = vec![first];
+            for n in 1..4u32 {
+                turns.push(turn(&c, &url, agent, n).await);
             }
             turns
         })
@@ -350,8 +362,11 @@ async fn hang_up(door: Door) {
     let decode = mock("decode", "1", &["--tpot-ms", "200"]);
     let gw = front(door, &c, &[&prefill], &[&decode], &[]).await;
     let body = json!({"prompt": prompt(2, 0), "max_tokens": 50, "stream": true});
-    let response = send(&c, &format!("{}/v1/completions", gw.url), &[], body.to_string()).await;
+    let mut response = send(&c, &format!("{}/v1/completions", gw.url), &[], body.to_string()).await;
     assert_eq!(response.status(), 200);
+    // Its first token read, the decode leg is decoding (not still fetching the prefill's KV cache): the client goes.
+    let first = http_body_util::BodyExt::frame(response.body_mut()).await;
+    assert!(matches!(first, Some(Ok(_))), "no first event");
     drop(response);
     assert!(
         all_settled(&c, &gw, &[&prefill, &decode]).await,
