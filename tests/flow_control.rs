@@ -280,7 +280,7 @@ async fn a_burst_of_two_thousand_clients_gets_answers_or_clear_errors_in_bounded
             200 => served += 1,
             503 => {
                 assert!(retry_after, "a 503 without Retry-After: {text}");
-                assert!(text.contains("saturated"), "{text}");
+                assert!(text.contains("overloaded"), "{text}");
                 refused += 1;
             }
             other => panic!("{other}: {text}"),
