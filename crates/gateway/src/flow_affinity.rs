@@ -1,15 +1,16 @@
 //! Prefix affinity in flow control's queue: a request waiting there keeps its routing data, so that when its turn
-//! comes the dispatcher can ask its policy where it would go, and let it wait a little longer for that endpoint
-//! rather than send it where its prefix is cold.
+//! comes the dispatcher can ask its policy where its prefix is cached, and let it wait a little longer for that
+//! endpoint rather than send it where its prefix is cold.
 //!
 //! Without this, late binding scatters prefixes under overload: the requests of one prefix that arrive while the
 //! first of them still waits all find the prefix nowhere, and each is sent to whichever endpoint frees first. With
-//! it, the dispatcher asks the request's policy (a dry run over the request's pool, recording nothing) when the
-//! request is first considered for release, after the requests before it may have been placed: if the policy
-//! predicts part of the prompt cached at the endpoint it would choose, and that endpoint is saturated, the request
-//! lets others pass until the endpoint has room. It does so for at most `prefix_wait_ms` from the first time it let
-//! another pass, and then only when no other request's turn has come: an endpoint with room takes first a request
-//! that prefers it or prefers none, and only then one that has waited long enough elsewhere (its prefix cold).
+//! it, the dispatcher asks the request's policy which endpoint of its pool holds the most of its prompt
+//! ([`Policy::most_cached`]: `cache_aware`'s index; the other policies keep none, and their requests never wait)
+//! whenever the request is considered for release and has no such endpoint yet (the requests before it may have
+//! placed its prefix meanwhile). If that endpoint is saturated, the request lets others pass until it has room. It
+//! does so for at most `prefix_wait_ms` from the first time it let another pass, and then only when no other
+//! request's turn has come: an endpoint with room takes first a request that prefers it or prefers none, and only
+//! then one that has waited long enough elsewhere (its prefix cold there).
 
 use std::cell::Cell;
 use std::sync::Arc;
@@ -28,7 +29,7 @@ pub struct Affinity {
     policy: Arc<dyn Policy>,
     route: RouteRequest,
     prepared: Prepared,
-    /// The endpoint its policy would choose, once it chose one that holds part of the prompt.
+    /// The endpoint holding the most of its prompt, once its policy names one.
     endpoint: Cell<Option<EndpointId>>,
     /// When it first let another request pass while its pool had room.
     since: Cell<Option<Instant>>,
@@ -52,9 +53,9 @@ impl Affinity {
         self.route
     }
 
-    /// Whether its turn has come, given that its pool has room: it has, unless the endpoint its policy would
-    /// choose holds part of its prompt and is saturated (from then on it lets the others pass). Its policy is asked
-    /// until it chooses such an endpoint: the requests placed meanwhile may have put its prefix somewhere.
+    /// Whether its turn has come, given that its pool has room: it has, unless the endpoint holding the most of its
+    /// prompt is saturated (from then on it lets the others pass). Its policy is asked until it names such an
+    /// endpoint: the requests placed meanwhile may have put its prefix somewhere.
     /// `saturated` says whether the endpoint of a global rank of `membership` is.
     pub(crate) fn turn(
         &self,
@@ -83,7 +84,7 @@ impl Affinity {
     }
 
     /// The endpoint its policy predicts to hold the most of its prompt among the healthy aggregated endpoints
-    /// serving `model`.
+    /// serving `model`, if any holds part of it.
     fn ask(&self, membership: &Membership, model: Option<&str>) -> Option<EndpointId> {
         let pool = |r: usize| {
             let target = &membership.targets[r];

@@ -32,10 +32,10 @@ pub struct FlowControlConfig {
     /// Per priority band (its priority as a string key, `"-1"`, `"10"`), its own queue timeout.
     pub band_queue_timeout_ms: BTreeMap<String, u64>,
     /// The longest a request waits for the endpoint that holds its prefix while another has room, milliseconds:
-    /// when its policy would choose a saturated endpoint for the prompt it holds there (a dry run of the policy
-    /// over the request's pool), the request waits in the queue until that endpoint has room, or this long, then
-    /// takes an endpoint with room (its prefix cold there). Set it near the prefill time of the prefixes you want
-    /// kept together: waiting longer costs more than computing them again. 0: never wait.
+    /// when its policy predicts the most of its prompt cached at a saturated endpoint (`cache_aware`), the request
+    /// lets others pass until that endpoint has room, or this long from the first time it let one pass, then takes
+    /// an endpoint with room (its prefix cold there). Set it near the prefill time of the prefixes you want kept
+    /// together: waiting longer costs more than computing them again. 0: never wait.
     pub prefix_wait_ms: u64,
     /// Request objectives (the header `x-gateway-inference-objective`) and their priorities; a negative priority
     /// is sheddable: refused rather than queued while the pool is saturated.

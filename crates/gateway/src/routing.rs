@@ -218,6 +218,19 @@ pub async fn route(
     if let Some(client) = &client {
         client.admit_tokens(route.input_tokens)?;
     }
+    // A keyed client continues its own responses only: any other id is unknown to it, and never reaches an engine
+    // (which would serve whoever names it).
+    let asker = client.as_ref().map(|c| &*c.name);
+    let previous = previous_response_id.filter(|_| responses_api);
+    if let (Some(id), Some(_)) = (&previous, asker) {
+        if state.responses.home(id, asker).is_none() {
+            return Err(ApiError::NotFound(format!(
+                "no response `{id}` of this client is known here: only the last {} responses made through this \
+                 gateway are",
+                crate::response_homes::REMEMBERED
+            )));
+        }
+    }
     // Flow control: while every endpoint the request may use is saturated it waits here, and the pick below is made
     // with the load of the moment it leaves (late binding). A pin passes the queue by, as it passes the balancer.
     let admitted = match (&state.flow, route.rank_override) {
@@ -260,23 +273,7 @@ pub async fn route(
     // whose models are unknown) shares the default policy rather than growing the table.
     let known = served.as_deref().filter(|m| membership.models().iter().any(|k| k == m));
     route.now_us = crate::clock::now_us();
-    let asker = client.as_ref().map(|c| &*c.name);
-    let home = match previous_response_id.filter(|_| responses_api) {
-        None => None,
-        Some(id) => match state.responses.home(&id, asker) {
-            Some(home) => Some(home),
-            // A keyed client continues its own responses only: any other id is unknown to it, and never reaches an
-            // engine (which would serve whoever names it).
-            None if asker.is_some() => {
-                return Err(ApiError::NotFound(format!(
-                    "no response `{id}` of this client is known here: only the last {} responses made through \
-                     this gateway are",
-                    crate::response_homes::REMEMBERED
-                )))
-            }
-            None => None,
-        },
-    };
+    let home = previous.and_then(|id| state.responses.home(&id, asker));
     let scope = Scope::of(home, &membership, &|rank| {
         serving(rank) && allowed(&membership.targets[rank])
     });
