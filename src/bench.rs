@@ -8,13 +8,11 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::Arc;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use dprouter_bench::{Api, BenchConfig, BenchOutcome, Routing};
 use dprouter_core::PolicyConfig;
-use dprouter_mock_engine::{serve, Engine, EngineConfig};
 use dprouter_sim::report::table;
 use dprouter_sim::{simulate, SimConfig, Summary, WorkloadSpec};
 use serde_json::json;
@@ -285,20 +283,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             let (target, engine_stop) = match &args.target {
                 Some(t) => (t.clone(), None),
                 None => {
-                    let engine = Engine::new(EngineConfig {
-                        dp_size: args.dp_size,
-                        cost,
-                        time_scale: args.time_scale,
-                        seed: args.seed,
-                        ..EngineConfig::default()
-                    });
-                    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-                    let addr = listener.local_addr()?;
-                    let (engine_stop, stopped) = tokio::sync::oneshot::channel::<()>();
-                    tokio::spawn(serve(listener, Arc::clone(&engine), async {
-                        let _ = stopped.await;
-                    }));
-                    (format!("http://{addr}"), Some(engine_stop))
+                    let (addr, stop, _) =
+                        crate::overload::embedded_engine(args.dp_size, cost, args.time_scale, args.seed).await?;
+                    (format!("http://{addr}"), Some(stop))
                 }
             };
             let config = BenchConfig {

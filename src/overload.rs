@@ -32,7 +32,10 @@ use dprouter_gateway::{serve, AppState, GatewayConfig};
 use dprouter_mock_engine::{Engine, EngineConfig};
 use dprouter_sim::{CostModel, SimOutcome, SimRequest, Summary, Workload, WorkloadSpec};
 use serde::Serialize;
-use tokio::sync::watch;
+use std::net::SocketAddr;
+
+use tokio::sync::{oneshot, watch};
+use tokio::task::JoinHandle;
 
 /// The tenant that owns session `session`.
 pub fn tenant(session: u64) -> &'static str {
@@ -176,19 +179,8 @@ async fn run_arm(
     stop: watch::Receiver<bool>,
     on_progress: &mut dyn FnMut(usize),
 ) -> anyhow::Result<BenchOutcome> {
-    let engine = Engine::new(EngineConfig {
-        dp_size: setup.dp_size,
-        cost: setup.cost,
-        time_scale: setup.time_scale,
-        seed: setup.seed,
-        ..EngineConfig::default()
-    });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let engine_addr = listener.local_addr()?;
-    let (engine_stop, engine_stopped) = tokio::sync::oneshot::channel::<()>();
-    let engine_task = tokio::spawn(dprouter_mock_engine::serve(listener, engine, async {
-        let _ = engine_stopped.await;
-    }));
+    let (engine_addr, engine_stop, engine_task) =
+        embedded_engine(setup.dp_size, setup.cost, setup.time_scale, setup.seed).await?;
 
     let mut config = GatewayConfig::from_toml(&format!(
         "[[workers]]\nurl = \"http://{engine_addr}\"\ndp_size = {}\n",
@@ -223,6 +215,29 @@ async fn run_arm(
     let _ = engine_stop.send(());
     let _ = engine_task.await;
     Ok(outcome?)
+}
+
+/// A mock engine of `dp_size` ranks on a free loopback port: its address, the sender that stops it, and its task.
+pub async fn embedded_engine(
+    dp_size: u32,
+    cost: CostModel,
+    time_scale: f64,
+    seed: u64,
+) -> std::io::Result<(SocketAddr, oneshot::Sender<()>, JoinHandle<std::io::Result<()>>)> {
+    let engine = Engine::new(EngineConfig {
+        dp_size,
+        cost,
+        time_scale,
+        seed,
+        ..EngineConfig::default()
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(dprouter_mock_engine::serve(listener, engine, async {
+        let _ = stopped.await;
+    }));
+    Ok((addr, stop, task))
 }
 
 /// A workload's high-band sessions only.

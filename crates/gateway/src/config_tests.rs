@@ -127,18 +127,8 @@ fn the_discovery_docs_example_parses() {
 #[test]
 fn the_readme_example_parses() {
     let readme = include_str!("../../../README.md");
-    let blocks: Vec<&str> = readme
-        .split("```toml")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap())
-        .collect();
-    assert_eq!(blocks.len(), 2, "the overload recipe's and the configuration's");
-    // The overload recipe's: a keyed client, and flow control on.
-    let recipe = GatewayConfig::from_toml(blocks[0]).unwrap();
-    recipe.validate().unwrap();
-    assert_eq!(recipe.clients[0].name, "search-team");
-    assert!(recipe.flow_control.enabled);
-    let config = GatewayConfig::from_toml(blocks[1]).unwrap();
+    let toml_text = readme.split("```toml").nth(1).unwrap().split("```").next().unwrap();
+    let config = GatewayConfig::from_toml(toml_text).unwrap();
     assert_eq!(config.workers.len(), 2);
     assert_eq!(config.workers[1].backend, Backend::Vllm);
     assert_eq!(config.routing.name(), "cache_aware");
