@@ -132,16 +132,29 @@ impl WideId for u64 {
     }
 }
 
-/// The ids in `buffer`, copied out of its memory into `scratch` and checked, with loops that vectorize.
+/// The ids in `buffer`, copied out of its memory into `scratch` (CPython's copy: another thread may write to a
+/// buffer while this one reads it, which Rust code may not do in place) and narrowed in one pass that vectorizes.
 fn convert<T: WideId>(py: Python<'_>, buffer: &PyBuffer<T>, out: &mut Vec<u32>, scratch: &mut Vec<T>) -> PyResult<()> {
     // Resized, not cleared: the copy overwrites every element, so only new ones are filled.
     scratch.resize(buffer.item_count(), T::default());
     buffer.copy_to_slice(py, scratch)?;
-    if scratch.iter().fold(0, |high, &t| high | t.high()) != 0 {
-        let bad = scratch.iter().find(|t| t.high() != 0).copied().unwrap_or_default();
+    narrow(scratch.iter().copied(), out)
+}
+
+/// Appends `ids` to `out` as `u32`s, in one pass, or fails naming the first one outside 0..2^32 (`out` then holds
+/// what it had).
+fn narrow<T: WideId>(ids: impl Iterator<Item = T> + Clone, out: &mut Vec<u32>) -> PyResult<()> {
+    let start = out.len();
+    let mut high = 0;
+    out.extend(ids.clone().map(|t| {
+        high |= t.high();
+        t.low()
+    }));
+    if high != 0 {
+        out.truncate(start);
+        let bad = ids.into_iter().find(|t| t.high() != 0).unwrap_or_default();
         return Err(DprouterError::new_err(format!("token id {bad} is not in 0..2^32")));
     }
-    out.extend(scratch.iter().map(|&t| t.low()));
     Ok(())
 }
 

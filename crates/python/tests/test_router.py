@@ -76,6 +76,15 @@ class RouterApi(unittest.TestCase):
         for bad in ([-1], [2**32], ["a"], [1.5], "text", 5):
             with self.assertRaises(dprouter.DprouterError, msg=repr(bad)):
                 router.pick(bad)
+        # A buffer's ids are checked too, the first one out of range named; the router is unchanged after.
+        for bad, named in (
+            (array.array("q", [7, 2**32, -1]), 2**32),
+            (array.array("q", [1] * 1000 + [-3]), -3),
+            (array.array("i", [5, -1]), -1),
+        ):
+            with self.assertRaisesRegex(dprouter.DprouterError, f"token id {named} is not in", msg=repr(bad)):
+                router.pick(bad)
+        self.assertEqual(router.pick(array.array("q", [2**32 - 1])).rank, router.pick([2**32 - 1]).rank)
 
     def test_token_ids_come_as_lists_or_integer_buffers(self):
         ids = run(3, 5000)

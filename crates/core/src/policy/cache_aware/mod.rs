@@ -387,8 +387,12 @@ impl Policy for CacheAware {
         let best_match = c.iter().map(blocks_at).max().unwrap_or(0);
         let half_life_us = self.config.recent_half_life_s * 1e6;
         let block = self.config.block_tokens as u64;
-        let recent_at = |r: usize| state.recent.count(state.slot_of_rank[r], req.now_us, half_life_us);
-        let mean_recent = c.iter().map(recent_at).sum::<f64>() / c.iter().count().max(1) as f64;
+        // Each candidate's recent count, in candidate order (one decay each).
+        let recents: Vec<f64> = c
+            .iter()
+            .map(|r| state.recent.count(state.slot_of_rank[r], req.now_us, half_life_us))
+            .collect();
+        let mean_recent = recents.iter().sum::<f64>() / recents.len().max(1) as f64;
         let progress_at = |r: usize| {
             let load = snap.load(r);
             match self.config.prefill_progress {
@@ -474,7 +478,7 @@ impl Policy for CacheAware {
                 // A session's cold requests go where its earlier ones did (the rendezvous below), not by count.
                 let recent = match req.session {
                     Some(_) => 0.0,
-                    None => recent_at(r),
+                    None => recents[i],
                 };
                 let over_bound = recent + 1.0 > (1.0 + self.config.recent_epsilon) * (mean_recent + 1.0);
                 let order = (
