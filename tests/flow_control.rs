@@ -129,6 +129,70 @@ async fn a_saturated_pool_queues_by_priority_and_refuses_what_does_not_fit() {
     );
 }
 
+/// A chat sent in the background whose outcome may be a closed connection: its status and body, or the error.
+fn send_or_cut(c: &common::HttpClient, url: &str, n: usize) -> tokio::task::JoinHandle<Result<(u16, String), String>> {
+    let (c, url) = (c.clone(), url.to_string());
+    tokio::spawn(async move {
+        let req = hyper::Request::post(url)
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(chat(n).to_string())))
+            .unwrap();
+        let response = c.request(req).await.map_err(|e| e.to_string())?;
+        let status = response.status().as_u16();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((status, String::from_utf8_lossy(&body.to_bytes()).into_owned()))
+    })
+}
+
+/// At shutdown the queue goes on releasing requests as the endpoint frees up, until `drain_timeout_ms`: new work is
+/// refused (the listener is closed), the requests that reach the engine in time are answered, those still waiting
+/// at the deadline are cut with the rest, and the process exits then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_lets_the_queue_go_on_until_its_deadline() {
+    let c = common::client();
+    let (engine, mut gw) = fleet("drain", 1000, "[server]\ndrain_timeout_ms = 2500");
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let first = send_or_cut(&c, &url, 0);
+    assert!(eventually(Duration::from_secs(5), || saturated(&c, &gw)).await);
+    // Queued one after another, so that they wait in this order.
+    let mut queued = Vec::new();
+    for n in 1..=4 {
+        queued.push(send_or_cut(&c, &url, n));
+        assert!(eventually(Duration::from_secs(5), || async { waiting(&c, &gw).await == n as u64 }).await);
+    }
+    let addr = gw.url.trim_start_matches("http://").to_string();
+    let exited = tokio::task::spawn_blocking(move || {
+        let took = gw.terminate(Duration::from_secs(6));
+        (took, gw)
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        std::net::TcpStream::connect(&addr).is_err(),
+        "a new connection was accepted while draining"
+    );
+    let first = first.await.unwrap();
+    assert_eq!(first.as_ref().map(|(s, _)| *s), Ok(200), "{first:?}");
+    let mut outcomes = Vec::new();
+    for q in queued {
+        outcomes.push(q.await.unwrap());
+    }
+    // The first one waiting leaves the queue when the first answer frees the endpoint, well within the drain.
+    assert_eq!(outcomes[0].as_ref().map(|(s, _)| *s), Ok(200), "{outcomes:?}");
+    // A second each, one at a time: the last cannot be answered before the deadline (it would be at the fifth
+    // second of the first), and is cut then.
+    assert!(outcomes[3].is_err(), "{outcomes:?}");
+    let (took, _gw) = exited.await.unwrap();
+    assert!(
+        took >= Duration::from_millis(2400) && took < Duration::from_millis(3500),
+        "exited {took:?} after SIGTERM (the drain deadline is 2,500 ms)"
+    );
+    // What the engine answered: the first, the first waiting, and at most the next two.
+    let served = completed(&c, &engine).await;
+    assert!((2..=4).contains(&served), "{served}");
+}
+
 /// Flows of one band take turns: a small flow's one request goes after the first of a big flow's, not after all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flows_of_a_band_take_turns() {

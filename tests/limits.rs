@@ -118,24 +118,6 @@ fn generate() -> Value {
     json!({"text": "hello", "sampling_params": {"max_new_tokens": 2}})
 }
 
-/// Sends SIGTERM to `p` and waits at most `limit` for it to exit: how long it took.
-fn terminate(p: &mut Proc, limit: Duration) -> Duration {
-    let start = Instant::now();
-    let status = Command::new("kill")
-        .args(["-TERM", &p.child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
-    while start.elapsed() < limit {
-        if let Some(status) = p.child.try_wait().unwrap() {
-            assert!(status.success(), "the gateway exited with {status}");
-            return start.elapsed();
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("the gateway did not exit within {limit:?} of SIGTERM");
-}
-
 #[test]
 fn slowloris_connections_are_closed_after_the_header_timeout() {
     let engine = Proc::engine(&[]);
@@ -414,7 +396,7 @@ async fn sigterm_finishes_requests_in_flight_then_exits() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let addr = gw.url.trim_start_matches("http://").to_string();
     let exited = tokio::task::spawn_blocking(move || {
-        let took = terminate(&mut gw, Duration::from_secs(4));
+        let took = gw.terminate(Duration::from_secs(4));
         (took, gw)
     });
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -449,7 +431,7 @@ async fn sigterm_with_a_stuck_request_exits_at_the_drain_deadline() {
         }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let took = tokio::task::spawn_blocking(move || terminate(&mut gw, Duration::from_secs(3)))
+    let took = tokio::task::spawn_blocking(move || gw.terminate(Duration::from_secs(3)))
         .await
         .unwrap();
     assert!(
@@ -482,7 +464,7 @@ fn a_stream_cut_at_the_drain_deadline_ends_with_an_error_event_and_the_process_e
     let n = stream.read(&mut first).unwrap();
     assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
     let reader = std::thread::spawn(move || read_until_closed(&mut stream, Duration::from_secs(5)));
-    let took = terminate(&mut gw, Duration::from_secs(5));
+    let took = gw.terminate(Duration::from_secs(5));
     let (rest, closed) = reader.join().unwrap();
     assert!(closed.is_some(), "the stream was not closed: {rest:.300}");
     assert!(
@@ -516,6 +498,6 @@ fn sigterm_does_not_wait_for_background_probes_in_flight() {
         "[server]\ndrain_timeout_ms = 200\n[health]\ninterval_ms = 100\ntimeout_ms = 3000\n",
     );
     std::thread::sleep(Duration::from_millis(500));
-    let took = terminate(&mut gw, Duration::from_secs(5));
+    let took = gw.terminate(Duration::from_secs(5));
     assert!(took < Duration::from_millis(700), "exited {took:?} after SIGTERM");
 }

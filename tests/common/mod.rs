@@ -72,6 +72,24 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Sends SIGTERM and waits for a clean exit, at most `limit`: how long it took.
+    pub fn terminate(&mut self, limit: Duration) -> Duration {
+        let start = Instant::now();
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "the process exited with {status}");
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("the process did not exit within {limit:?} of SIGTERM");
+    }
 }
 
 impl Drop for Proc {
