@@ -5,6 +5,24 @@ use super::*;
 use crate::config::{Backend, WorkerConfig};
 use dprouter_core::LoadGuard;
 
+/// Adds an SGLang worker of `dp_size` ranks at `url` serving `models` (none: any) to `registry`.
+fn add_worker(registry: &Registry, url: &str, dp_size: u32, models: &[&str]) {
+    let models: Vec<String> = models.iter().map(|m| m.to_string()).collect();
+    let worker = WorkerConfig {
+        url: url.into(),
+        backend: Backend::Sglang,
+        dp_size: Some(dp_size),
+        models: models.clone(),
+        ..Default::default()
+    };
+    let info = crate::upstream::WorkerInfo {
+        dp_size,
+        kv_capacity: None,
+        models,
+    };
+    registry.add_worker(&worker, info).unwrap();
+}
+
 /// Flow control over one worker of one rank, saturated at one request in flight, its queue timeout 1 s.
 fn one_slot() -> (Arc<FlowControl>, Arc<Registry>) {
     let config = FlowControlConfig {
@@ -14,18 +32,7 @@ fn one_slot() -> (Arc<FlowControl>, Arc<Registry>) {
         ..Default::default()
     };
     let registry = Arc::new(Registry::new(Default::default()));
-    let worker = WorkerConfig {
-        url: "http://w:1".into(),
-        backend: Backend::Sglang,
-        dp_size: Some(1),
-        ..Default::default()
-    };
-    let info = crate::upstream::WorkerInfo {
-        dp_size: 1,
-        kv_capacity: None,
-        models: Vec::new(),
-    };
-    registry.add_worker(&worker, info).unwrap();
+    add_worker(&registry, "http://w:1", 1, &[]);
     (FlowControl::new(&config, 0).unwrap(), registry)
 }
 
@@ -99,19 +106,7 @@ async fn every_path_leaves_nothing_pending_or_queued() {
 #[tokio::test(start_paused = true)]
 async fn a_saturated_pool_holds_up_its_own_requests_only() {
     let (flow, registry) = one_slot();
-    let worker = WorkerConfig {
-        url: "http://w:2".into(),
-        backend: Backend::Sglang,
-        dp_size: Some(1),
-        models: vec!["b".into()],
-        ..Default::default()
-    };
-    let info = crate::upstream::WorkerInfo {
-        dp_size: 1,
-        kv_capacity: None,
-        models: vec!["b".into()],
-    };
-    registry.add_worker(&worker, info).unwrap();
+    add_worker(&registry, "http://w:2", 1, &["b"]);
     let (stop, stopped) = watch::channel(false);
     let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
     let membership = registry.membership();
@@ -232,18 +227,7 @@ async fn a_request_waits_a_bounded_time_for_the_endpoint_holding_its_prefix() {
         ..Default::default()
     };
     let registry = Arc::new(Registry::new(Default::default()));
-    let worker = WorkerConfig {
-        url: "http://w:1".into(),
-        backend: Backend::Sglang,
-        dp_size: Some(2),
-        ..Default::default()
-    };
-    let info = crate::upstream::WorkerInfo {
-        dp_size: 2,
-        kv_capacity: None,
-        models: Vec::new(),
-    };
-    registry.add_worker(&worker, info).unwrap();
+    add_worker(&registry, "http://w:1", 2, &[]);
     let flow = FlowControl::new(&config, 0).unwrap();
     let (stop, stopped) = watch::channel(false);
     let dispatcher = tokio::spawn(dispatch(Arc::clone(&flow), Arc::clone(&registry), stopped));
