@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use dprouter_gateway::sidecar::{serve, SidecarConfig};
+use dprouter_gateway::sidecar::{serve, PrefillAllow, SidecarConfig};
 use dprouter_gateway::Backend;
 
 use crate::mock_engine::shutdown_signal;
@@ -35,18 +35,41 @@ pub struct DecodeSidecarArgs {
     /// The SGLang prefill servers' bootstrap port, for a request whose picker named none (SGLang's default).
     #[arg(long, default_value_t = 8998)]
     bootstrap_port: u16,
+    /// The prefill endpoints a picker may name, comma-separated or repeated: addresses (10.0.0.5:8000), IPs or
+    /// networks (10.0.0.0/16, fd00::/8). None by default: every request naming one is refused (403).
+    #[arg(long, value_delimiter = ',', value_parser = PrefillAllow::parse)]
+    prefill_allow: Vec<PrefillAllow>,
+    /// A file holding the key the legs send to the decode and prefill servers (Authorization: Bearer), when they
+    /// need one: a request's own Authorization, X-Api-Key and Cookie never reach them.
+    #[arg(long)]
+    api_key_file: Option<std::path::PathBuf>,
     /// The largest request body taken, bytes.
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
-    /// Each leg's response head must come within this, milliseconds.
+    /// The decode answer's head must come within this of the request's arrival, milliseconds.
     #[arg(long, default_value_t = 300_000)]
     first_byte_timeout_ms: u64,
+    /// The prefill leg's response head must come within this, milliseconds (default: half of
+    /// --first-byte-timeout-ms, so that a prefill server that never answers is the one named and the decode leg
+    /// has the rest).
+    #[arg(long)]
+    prefill_first_byte_timeout_ms: Option<u64>,
     /// A prefill answer's bytes must come within this of each other, milliseconds.
     #[arg(long, default_value_t = 300_000)]
     stream_idle_timeout_ms: u64,
 }
 
 pub fn run(args: DecodeSidecarArgs) -> anyhow::Result<ExitCode> {
+    let first_byte = Duration::from_millis(args.first_byte_timeout_ms);
+    let api_key = match &args.api_key_file {
+        Some(file) => Some(
+            std::fs::read_to_string(file)
+                .with_context(|| format!("reading --api-key-file {}", file.display()))?
+                .trim()
+                .to_string(),
+        ),
+        None => None,
+    };
     let config = SidecarConfig {
         decode: args.decode.trim_end_matches('/').to_string(),
         backend: match args.backend {
@@ -54,9 +77,14 @@ pub fn run(args: DecodeSidecarArgs) -> anyhow::Result<ExitCode> {
             BackendArg::Vllm => Backend::Vllm,
         },
         bootstrap_port: Some(args.bootstrap_port),
+        prefill_allow: args.prefill_allow,
+        api_key,
         max_body_bytes: args.max_body_bytes,
         connect_timeout: Duration::from_secs(2),
-        first_byte_timeout: Duration::from_millis(args.first_byte_timeout_ms),
+        first_byte_timeout: first_byte,
+        prefill_first_byte_timeout: args
+            .prefill_first_byte_timeout_ms
+            .map_or(first_byte / 2, |ms| Duration::from_millis(ms).min(first_byte)),
         idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
     };
     let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;

@@ -367,6 +367,9 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
         "no streamed request succeeded, so there is no TTFT: {statuses:?}"
     );
 
+    // A client's pairing field, dropped (`dprouter_refused_input_total`).
+    let steering = json!({"prompt": "text", "max_tokens": 4, "bootstrap_host": "10.9.9.9"});
+    read(send(&c, &format!("{}/v1/completions", gw.url), &[], steering.to_string()).await).await;
     let scrape = get(&c, &format!("{}/metrics", gw.url)).await;
     assert_eq!(scrape.status, StatusCode::OK);
     let (mut samples, mut kinds) = parse_scrape(&scrape.text);

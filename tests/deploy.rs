@@ -439,3 +439,66 @@ fn each_prefill_decode_pool_is_found_by_its_gateway_in_both_roles() {
         assert!(reads_pods, "{account} cannot read Pods");
     }
 }
+
+/// The decode sidecar's manifest: the sidecar in front of a decode engine that listens on loopback only, with an
+/// allow-list of prefill endpoints that dprouter reads, and a NetworkPolicy that lets only the Gateway's proxies
+/// (and the prefill Pods, for the KV transfer) reach the decode Pods.
+#[test]
+fn the_decode_sidecar_runs_with_an_allow_list_and_only_the_gateway_reaches_it() {
+    use dprouter_gateway::sidecar::PrefillAllow;
+    let objects = objects();
+    let deployment = get(&objects, "Deployment", "vllm-llama-decode-sidecar");
+    let template = &deployment["spec"]["template"];
+    let containers = template["spec"]["containers"].as_array().unwrap();
+    let sidecar = containers.iter().find(|c| c["name"] == "decode-sidecar").unwrap();
+    let args = sidecar["args"].as_array().unwrap();
+    assert_eq!(args[0], "decode-sidecar");
+    let allow = arg(args, "--prefill-allow").expect("an allow-list of prefill endpoints");
+    for entry in allow.split(',') {
+        PrefillAllow::parse(entry).unwrap();
+    }
+    let decode = arg(args, "--decode").unwrap();
+    assert!(decode.starts_with("http://127.0.0.1:"), "{decode}");
+    let engine_port = decode.rsplit(':').next().unwrap();
+    let engine = containers.iter().find(|c| c["name"] == "vllm").unwrap();
+    let engine_args = engine["args"].as_array().unwrap();
+    assert_eq!(
+        arg(engine_args, "--host"),
+        Some("127.0.0.1"),
+        "the engine on loopback only"
+    );
+    assert_eq!(arg(engine_args, "--port"), Some(engine_port));
+    let listen = arg(args, "--listen").unwrap();
+    let port: u64 = listen.rsplit(':').next().unwrap().parse().unwrap();
+    assert_eq!(template["metadata"]["annotations"]["dprouter.io/role"], "decode");
+
+    let pod_labels = labels(&template["metadata"]["labels"]);
+    let policy = get(&objects, "NetworkPolicy", "vllm-llama-decode-sidecar");
+    let spec = &policy["spec"];
+    assert!(selects(&labels(&spec["podSelector"]["matchLabels"]), &pod_labels));
+    assert!(spec["policyTypes"].as_array().unwrap().iter().any(|t| t == "Ingress"));
+    let gateway = get(&objects, "HTTPRoute", "llm")["spec"]["parentRefs"][0]["name"].clone();
+    let mut gateway_reaches_the_sidecar = false;
+    for rule in spec["ingress"].as_array().unwrap() {
+        let from = rule["from"].as_array().expect("a rule admitting anyone");
+        let ports = rule["ports"].as_array();
+        for peer in from {
+            assert!(peer.get("ipBlock").is_none(), "{peer}");
+            let selector = labels(&peer["podSelector"]["matchLabels"]);
+            let from_gateway = selector
+                .get("gateway.networking.k8s.io/gateway-name")
+                .map(String::as_str)
+                == gateway.as_str();
+            let from_prefill = selector.get("role").map(String::as_str) == Some("prefill");
+            assert!(
+                from_gateway || from_prefill,
+                "only the Gateway's proxies and the prefill Pods: {peer}"
+            );
+            gateway_reaches_the_sidecar |= from_gateway && ports.is_some_and(|p| p.iter().all(|p| p["port"] == port));
+        }
+    }
+    assert!(
+        gateway_reaches_the_sidecar,
+        "the Gateway's proxies reach the sidecar's port, and no other"
+    );
+}

@@ -82,6 +82,8 @@ async fn front(door: Door, c: &common::HttpClient, prefills: &[&Proc], decodes: 
                     &d.url,
                     "--backend",
                     backend,
+                    "--prefill-allow",
+                    "127.0.0.1",
                 ]);
                 let url = sidecar.url.clone();
                 procs.push(sidecar);
@@ -514,6 +516,8 @@ async fn the_decode_sidecar_pairs_the_legs_of_a_request_another_picker_sent() {
         &decode.url,
         "--bootstrap-port",
         &bootstrap,
+        "--prefill-allow",
+        "127.0.0.0/8",
     ]);
     let at = prefill.url.trim_start_matches("http://");
     let url = format!("{}/v1/completions", sidecar.url);

@@ -728,17 +728,7 @@ async fn cors_is_opt_in() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_access_log_says_what_happened() {
     let engine = Proc::engine(&["--dp-size", "2"]);
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let config = dir.join("e2e-access-log.toml");
-    std::fs::write(&config, "[server]\naccess_log = true\n").unwrap();
-    let log = dir.join("e2e-access-log.txt");
-    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_dprouter"));
-    command
-        .args(["serve", "--listen", "127.0.0.1:0", "--worker", &engine.url, "--config"])
-        .arg(&config)
-        .env("RUST_LOG", "dprouter::access=info")
-        .stderr(std::fs::File::create(&log).unwrap());
-    let gw = Proc::spawn(command);
+    let (gw, log) = Proc::logging_access(&engine, "e2e-access-log");
     let c = client();
     let chat = json!({"model": "the-model", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
     let response = send(

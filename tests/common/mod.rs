@@ -68,6 +68,23 @@ impl Proc {
         Proc::start(&args)
     }
 
+    /// `serve` in front of `engine` with `[server] access_log = true`, its log lines (and only those) written to
+    /// the returned file, `NAME.txt` in the tests' temporary folder.
+    pub fn logging_access(engine: &Proc, name: &str) -> (Proc, std::path::PathBuf) {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let config = dir.join(format!("{name}.toml"));
+        std::fs::write(&config, "[server]\naccess_log = true\n").unwrap();
+        let log = dir.join(format!("{name}.txt"));
+        let bin = std::env::var("DPROUTER_TEST_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_dprouter").to_string());
+        let mut command = Command::new(bin);
+        command
+            .args(["serve", "--listen", "127.0.0.1:0", "--worker", &engine.url, "--config"])
+            .arg(&config)
+            .env("RUST_LOG", "dprouter::access=info")
+            .stderr(std::fs::File::create(&log).unwrap());
+        (Proc::spawn(command), log)
+    }
+
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

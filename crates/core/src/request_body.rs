@@ -43,8 +43,11 @@ pub enum MemberKind {
     RankOverride,
     /// `model` (replaced when the gateway maps an alias).
     Model,
-    /// A disaggregation field ([`DISAGGREGATION_FIELDS`]).
+    /// A disaggregation field ([`DISAGGREGATION_FIELDS`]) but `bootstrap_room`: what steers a KV transfer (where
+    /// from, which rank, the connector's parameters), never a client's to set.
     Disaggregation,
+    /// `bootstrap_room`: pairs SGLang's legs, and `follow_bootstrap_room` routes by a client's.
+    BootstrapRoom,
     /// `stream`, `stream_options`: what vLLM's prefill leg gets its own of (not streamed).
     Streaming,
     /// `max_tokens`, `max_completion_tokens`, `max_output_tokens`, `min_tokens`: what vLLM's prefill leg gets its
@@ -55,11 +58,18 @@ pub enum MemberKind {
 }
 
 impl MemberKind {
+    /// A member that pairs a disaggregated request's legs ([`DISAGGREGATION_FIELDS`]).
+    pub fn is_pairing(self) -> bool {
+        matches!(self, MemberKind::Disaggregation | MemberKind::BootstrapRoom)
+    }
+
     fn of(key: &str) -> Self {
         if OVERRIDE_FIELDS.contains(&key) {
             MemberKind::RankOverride
         } else if key == "model" {
             MemberKind::Model
+        } else if key == "bootstrap_room" {
+            MemberKind::BootstrapRoom
         } else if DISAGGREGATION_FIELDS.contains(&key) {
             MemberKind::Disaggregation
         } else if matches!(key, "stream" | "stream_options") {
@@ -375,6 +385,11 @@ impl Layout {
     /// The body for a worker, as slices of `original` (the bytes this was parsed from): every member but the
     /// client's rank overrides and those `dropped` (its `model` when the gateway maps it, say), after the members
     /// `first` (e.g. `"routed_dp_rank":3`, or a `model` the gateway maps). Nothing is copied.
+    /// Whether the body has a member of `kind`.
+    pub fn has(&self, kind: MemberKind) -> bool {
+        self.kinds.contains(&kind)
+    }
+
     pub fn forwarded<B: Clone>(
         &self,
         original: &B,
@@ -473,7 +488,7 @@ mod tests {
             .forwarded(
                 &body,
                 [r#""bootstrap_room":6"#.to_string()],
-                |k| k == MemberKind::Disaggregation,
+                MemberKind::is_pairing,
                 |s, r| s[r].to_string(),
             )
             .into_iter()

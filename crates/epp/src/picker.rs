@@ -127,6 +127,9 @@ struct Sent {
     routed: Option<Routed>,
     address: SocketAddr,
     target: Target,
+    /// Every address the picker offered the data plane on this stream (the choice, then its fallbacks): a report
+    /// that another endpoint served the request is not believed, and its outcome counts for no endpoint.
+    offered: Vec<SocketAddr>,
 }
 
 /// The data plane has gone away (the stream is closed): nothing more to do.
@@ -297,6 +300,9 @@ impl Stream {
                             "ext_proc: request headers without :method or :path",
                         )));
                     };
+                    // The head's limits are `serve`'s (Envoy's pseudo-headers aside).
+                    let sizes = headers.iter().filter(|(n, _)| !n.starts_with(':'));
+                    server::check_header_sizes(sizes.map(|(n, v)| (n.len(), v.len()))).map_err(End::Answer)?;
                     let route = server::public_route(method, path);
                     let map = header_map(&headers);
                     let traced = route.as_ref().map_or("unmatched", |r| r);
@@ -354,10 +360,12 @@ impl Stream {
                     Phase::Sent(sent)
                 }
                 (Phase::Body(_), other) => return Err(out_of_turn(kind(&other), "while the request body arrives")),
-                // Not expected once the body ended; passed on unchanged.
-                (phase @ (Phase::Sent(_) | Phase::Response(_)), Message::RequestBody(b)) => {
-                    self.send(protocol::body_chunk(true, b.body, b.end_of_stream)).await?;
-                    phase
+                // The body ended: a chunk after its end breaks the protocol (it would reach the engine unrouted).
+                (Phase::Sent(_) | Phase::Response(_), Message::RequestBody(_)) => {
+                    dprouter_gateway::refusals::refused("late_body", || {
+                        "an ext_proc request body chunk after the body's end refused (INVALID_ARGUMENT)".into()
+                    });
+                    return Err(out_of_turn("request body", "after the body's end"));
                 }
                 (phase @ (Phase::Sent(_) | Phase::Response(_)), Message::RequestTrailers(_)) => {
                     self.send(protocol::trailers_reply(true)).await?;
@@ -497,6 +505,7 @@ impl Stream {
                 routed: None,
                 address,
                 target,
+                offered: vec![address],
             });
         }
         routing::check_content_type(&header_map).map_err(End::Answer)?;
@@ -524,7 +533,8 @@ impl Stream {
             remove.retain(|name| name != sidecar::PREFILLER_HEADER && name != sidecar::PREFILL_RANK_HEADER);
         }
         self.trace_header(&mut set);
-        let destination = self.destination(&routed, &target, address, &allowed);
+        let offered = self.destination(&routed, &target, address, &allowed);
+        let destination = offered.iter().map(SocketAddr::to_string).collect::<Vec<_>>().join(",");
         self.send(protocol::request_headers_reply(&destination, set, remove))
             .await?;
         for chunk in protocol::request_body_chunks(pieces, trailers) {
@@ -534,19 +544,20 @@ impl Stream {
             routed: Some(routed),
             address,
             target,
+            offered,
         })
     }
 
-    /// The destination header's value: the chosen endpoint, then fallbacks where no rank is injected (a rank
-    /// chosen for one endpoint never goes to another): other workers' endpoints, routable and allowed, that take
-    /// no rank either.
+    /// The addresses for the destination header: the chosen endpoint, then fallbacks where no rank is injected (a
+    /// rank chosen for one endpoint never goes to another): other workers' endpoints, routable and allowed, that
+    /// take no rank either.
     fn destination(
         &self,
         routed: &Routed,
         target: &Target,
         chosen: SocketAddr,
         allowed: &dyn Fn(&Target) -> bool,
-    ) -> String {
+    ) -> Vec<SocketAddr> {
         let mut out = vec![chosen];
         if self.picker.fallbacks > 0 && !routing::injects_rank(target) {
             let membership = &routed.membership;
@@ -569,7 +580,7 @@ impl Stream {
                 }
             }
         }
-        out.iter().map(SocketAddr::to_string).collect::<Vec<_>>().join(",")
+        out
     }
 
     /// The response's head: which endpoint served (the data plane's word when it gives it), its health, and the
@@ -586,8 +597,18 @@ impl Stream {
             .and_then(|s| s.parse().ok())
             .unwrap_or(0);
         let _ = self.trace.status.set(status);
-        if let Some(served) = protocol::served(metadata).filter(|a| *a != sent.address) {
-            self.served_elsewhere(sent, served);
+        let served = protocol::served(metadata).filter(|a| *a != sent.address);
+        let believed = served.is_none_or(|a| sent.offered.contains(&a));
+        match served {
+            Some(served) if believed => self.served_elsewhere(sent, served),
+            Some(served) => dprouter_gateway::refusals::refused("served_elsewhere", || {
+                format!(
+                    "the data plane says {served} served a request the picker sent to {} (not offered on its stream): \
+                     its outcome counts for no endpoint",
+                    sent.address
+                )
+            }),
+            None => {}
         }
         let label = sent.target.label();
         let branch = sent.routed.as_ref().map(|r| r.ticket.pick.branch);
@@ -597,7 +618,9 @@ impl Stream {
             let ticket = r.pair.as_ref()?.ticket.as_ref()?;
             Some((r.prefill_target()?.id, ticket.pick.branch))
         });
-        if status >= 500 {
+        if !believed {
+            // Neither the choice (the data plane says another served) nor the endpoint it names (never offered).
+        } else if status >= 500 {
             let (id, branch) = match prefill.filter(|_| prefill_failed) {
                 Some((id, branch)) => (id, Some(branch)),
                 None => (sent.target.id, branch),

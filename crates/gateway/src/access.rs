@@ -81,7 +81,13 @@ impl Exchange {
     }
 
     /// Where the request went.
-    pub fn routed(&self, routing: Routing) {
+    pub fn routed(&self, mut routing: Routing) {
+        // The model is the client's string: spans and the access log keep a bounded copy.
+        if let Some(model) = routing.model.as_mut() {
+            if let std::borrow::Cow::Owned(clipped) = crate::refusals::clip_client("model", model) {
+                *model = clipped;
+            }
+        }
         let _ = self.0.routed.set(routing);
     }
 

@@ -176,6 +176,11 @@ pub struct DisaggregationConfig {
     /// Prefill on the decode server when every prefill endpoint the request may take has at least this many prompt
     /// tokens waiting for their first token (the prefill pool is saturated); 0: never.
     pub prefill_busy_tokens: u64,
+    /// The prefill leg's own deadline for its response head, milliseconds (at most the request's first-byte
+    /// deadline); default: half of the request's (`first_byte_timeout_ms`, or the client's lower one), so that a
+    /// prefill server that never answers is blamed for it, and the rest is left to the decode leg (under vLLM, to
+    /// the decode server prefilling the prompt itself).
+    pub prefill_first_byte_timeout_ms: Option<u64>,
 }
 
 impl Default for DisaggregationConfig {
@@ -184,6 +189,7 @@ impl Default for DisaggregationConfig {
             local_prefill_below_tokens: 0,
             local_prefill_max_share: 1.0,
             prefill_busy_tokens: 0,
+            prefill_first_byte_timeout_ms: None,
         }
     }
 }
@@ -196,7 +202,18 @@ impl DisaggregationConfig {
                 "disaggregation.local_prefill_max_share must be from 0 to 1, got {share}"
             ));
         }
+        if self.prefill_first_byte_timeout_ms == Some(0) {
+            return Err("disaggregation.prefill_first_byte_timeout_ms must be positive".into());
+        }
         Ok(())
+    }
+
+    /// The prefill leg's time for its response head, of a request's `first_byte` budget.
+    pub fn prefill_first_byte(&self, first_byte: std::time::Duration) -> std::time::Duration {
+        match self.prefill_first_byte_timeout_ms {
+            Some(ms) => std::time::Duration::from_millis(ms).min(first_byte),
+            None => first_byte / 2,
+        }
     }
 
     /// Whether `uncached` of `prompt` tokens are few enough to prefill on the decode server.
@@ -260,6 +277,9 @@ pub struct GatewayConfig {
     /// Model names clients may use for another, served one (`"gpt-4o" = "smollm2"`): the request is routed to the
     /// workers serving the served name, which the worker gets in the body.
     pub model_aliases: std::collections::BTreeMap<String, String>,
+    /// How many Responses ids the gateway remembers, to send a `previous_response_id` to the endpoint that made
+    /// it; each keyed client keeps a fair share ([`crate::response_homes`]).
+    pub remembered_responses: usize,
     /// Connection failures retried on the policy's next choice, before any byte reaches the client.
     pub retries: u32,
     /// Upstream connect timeout, milliseconds.
@@ -304,6 +324,7 @@ impl Default for GatewayConfig {
             tokenizer: None,
             tokenizers: Default::default(),
             tokenize_max_bytes: 128 << 10,
+            remembered_responses: crate::response_homes::REMEMBERED,
             retries: 2,
             connect_timeout_ms: 2000,
             upstream_ca_file: None,

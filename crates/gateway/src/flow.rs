@@ -179,8 +179,15 @@ impl FlowControl {
 
     /// The flow and the priority of a request of `client` (when keyed) with `headers`.
     pub fn classify(&self, client: Option<&Client>, headers: &HeaderMap) -> Result<(String, i32), ApiError> {
-        let objective = headers
-            .get(OBJECTIVE_HEADER)
+        let named = headers.get(OBJECTIVE_HEADER);
+        let trusted = client.is_some() || self.config.trust_unkeyed_objectives;
+        if named.is_some() && !trusted {
+            crate::refusals::refused("unkeyed_objective", || {
+                format!("{OBJECTIVE_HEADER} of a request without a key ignored (trust_unkeyed_objectives = false)")
+            });
+        }
+        let objective = named
+            .filter(|_| trusted)
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
             .and_then(|name| self.config.objectives.get(name));

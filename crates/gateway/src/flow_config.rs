@@ -40,6 +40,10 @@ pub struct FlowControlConfig {
     /// Request objectives (the header `x-gateway-inference-objective`) and their priorities; a negative priority
     /// is sheddable: refused rather than queued while the pool is saturated.
     pub objectives: BTreeMap<String, i32>,
+    /// Whether a request without a client key may name its objective. Objectives are the client's word: without
+    /// `[[clients]]` anyone may send `x-gateway-inference-objective: critical`. `false`: an unkeyed request's
+    /// objective is ignored (priority 0); a keyed client's still lowers its own priority.
+    pub trust_unkeyed_objectives: bool,
 }
 
 impl Default for FlowControlConfig {
@@ -56,6 +60,7 @@ impl Default for FlowControlConfig {
             band_queue_timeout_ms: BTreeMap::new(),
             prefix_wait_ms: 500,
             objectives: BTreeMap::new(),
+            trust_unkeyed_objectives: true,
         }
     }
 }

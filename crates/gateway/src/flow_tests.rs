@@ -215,6 +215,30 @@ fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
     assert_eq!(flow.classify(None, &headers).unwrap_err().status(), 400);
 }
 
+#[test]
+fn unkeyed_objectives_can_be_ignored() {
+    let config = FlowControlConfig {
+        enabled: true,
+        objectives: [("critical".to_string(), 10), ("batch".to_string(), -1)].into(),
+        trust_unkeyed_objectives: false,
+        ..Default::default()
+    };
+    let flow = FlowControl::new(&config, 0).unwrap();
+    let mut headers = HeaderMap::new();
+    headers.insert(OBJECTIVE_HEADER, "critical".parse().unwrap());
+    assert_eq!(
+        flow.classify(None, &headers).unwrap().1,
+        0,
+        "an unkeyed objective is ignored"
+    );
+    headers.insert(OBJECTIVE_HEADER, "batch".parse().unwrap());
+    assert_eq!(
+        flow.classify(None, &headers).unwrap().1,
+        0,
+        "even one that lowers the priority"
+    );
+}
+
 /// With `prefix_wait_ms`, a queued request waits for the endpoint that holds its prefix while another has
 /// room: a request without a prefix passes it, and it takes the other endpoint only `prefix_wait_ms` after
 /// it first let one pass; it goes to its own endpoint as soon as that has room.

@@ -31,8 +31,13 @@ use crate::upstream::{error_chain, Chunks, Upstream};
 
 /// The largest LIST page read.
 const MAX_LIST_BYTES: usize = 64 << 20;
-/// Objects asked per LIST page (`limit`, as client-go's reflector pages): a page of Pods is a few MB.
+/// Objects asked per LIST page (`limit`, as client-go's reflector pages): a page of Pods is a few MB. A page with
+/// more is refused as it is read.
 const LIST_PAGE: usize = 500;
+/// The most objects one LIST may bring (pages together): a collection larger than this is refused.
+pub const MAX_LIST_OBJECTS: usize = 100_000;
+/// The most pages one LIST may take: an API server that keeps sending `continue` is refused past this.
+pub const MAX_LIST_PAGES: usize = 1_000;
 /// A collection's changes are published at most this often: a burst of watch events (or a LIST) is one change of
 /// membership, not one per event.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
@@ -57,6 +62,15 @@ pub struct Api {
     namespace: String,
     token_file: Option<PathBuf>,
     client: Upstream,
+}
+
+/// An API server's LIST answer that is not taken (too many objects or pages, a page larger than asked, or one
+/// that does not read): counted, and the LIST fails (tried again, keeping what was found).
+fn refused(path: &str, why: String) -> ApiError {
+    let message = format!("{path}: the LIST answer was refused: {why}");
+    let logged = message.clone();
+    crate::refusals::refused("kubernetes_answer", move || logged);
+    ApiError::Other(message)
 }
 
 /// Why a request to the API server failed.
@@ -131,7 +145,7 @@ impl Api {
         let mut items = Vec::new();
         let mut next: Option<String> = None;
         let mut unreadable: Option<(usize, String)> = None;
-        loop {
+        for _ in 0..MAX_LIST_PAGES {
             let page_query = match &next {
                 Some(token) => format!("{query}&limit={LIST_PAGE}&continue={}", encode(token)),
                 None => format!("{query}&limit={LIST_PAGE}"),
@@ -143,8 +157,11 @@ impl Api {
                 .await
                 .map_err(ApiError::Other)?;
             check_status(status, &body, path)?;
-            let page: List<T> = serde_json::from_slice(&body).map_err(|e| ApiError::Other(format!("{path}: {e}")))?;
+            let page = List::<T>::read(&body, LIST_PAGE).map_err(|e| refused(path, e.to_string()))?;
             drop(body);
+            if items.len() + page.items.as_ref().map_or(0, Vec::len) > MAX_LIST_OBJECTS {
+                return Err(refused(path, format!("more than {MAX_LIST_OBJECTS} objects")));
+            }
             for item in page.items.into_iter().flatten() {
                 match item {
                     Lenient::Read(item) => items.push(item),
@@ -165,6 +182,7 @@ impl Api {
                 }
             }
         }
+        Err(refused(path, format!("more than {MAX_LIST_PAGES} pages")))
     }
 
     /// WATCH from `version`: each event to `event` until the server ends the watch (`Ok`), a `410` (as the status

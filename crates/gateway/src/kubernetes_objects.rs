@@ -27,14 +27,121 @@ pub trait Object: DeserializeOwned {
     fn meta(&self) -> &Meta;
 }
 
-/// A LIST's answer: one page of items, the list's version and where the next page starts.
-#[derive(Debug, Deserialize)]
-#[serde(bound = "T: DeserializeOwned")]
+/// A LIST's answer: one page of items, the list's version and where the next page starts. Read with
+/// [`List::read`], item by item, refusing a page with more items than were asked for: what a page costs is bounded
+/// by the `limit` asked, not by what the API server sends.
+#[derive(Debug)]
 pub struct List<T> {
-    #[serde(default)]
     pub metadata: ListMeta,
-    #[serde(default)]
     pub items: Option<Vec<Lenient<T>>>,
+}
+
+impl<T: DeserializeOwned> List<T> {
+    /// Reads a page of at most `max_items` items.
+    pub fn read(bytes: &[u8], max_items: usize) -> Result<Self, serde_json::Error> {
+        let mut deserializer = serde_json::Deserializer::from_slice(bytes);
+        let list = serde::de::DeserializeSeed::deserialize(
+            PageSeed::<T> {
+                max_items,
+                item: std::marker::PhantomData,
+            },
+            &mut deserializer,
+        )?;
+        deserializer.end()?;
+        Ok(list)
+    }
+}
+
+/// Reads a [`List`] with at most `max_items` items.
+struct PageSeed<T> {
+    max_items: usize,
+    item: std::marker::PhantomData<T>,
+}
+
+impl<'de, T: DeserializeOwned> serde::de::DeserializeSeed<'de> for PageSeed<T> {
+    type Value = List<T>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<List<T>, D::Error> {
+        deserializer.deserialize_map(self)
+    }
+}
+
+impl<'de, T: DeserializeOwned> serde::de::Visitor<'de> for PageSeed<T> {
+    type Value = List<T>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a Kubernetes list")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<List<T>, A::Error> {
+        let mut list = List {
+            metadata: ListMeta::default(),
+            items: None,
+        };
+        while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+            match key.as_ref() {
+                "metadata" => list.metadata = map.next_value()?,
+                "items" => {
+                    list.items = map.next_value_seed(ItemsSeed::<T> {
+                        max_items: self.max_items,
+                        item: std::marker::PhantomData,
+                    })?
+                }
+                _ => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(list)
+    }
+}
+
+/// A list's items, one by one, at most `max_items` of them (`null`: none).
+struct ItemsSeed<T> {
+    max_items: usize,
+    item: std::marker::PhantomData<T>,
+}
+
+impl<'de, T: DeserializeOwned> serde::de::DeserializeSeed<'de> for ItemsSeed<T> {
+    type Value = Option<Vec<Lenient<T>>>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_option(self)
+    }
+}
+
+impl<'de, T: DeserializeOwned> serde::de::Visitor<'de> for ItemsSeed<T> {
+    type Value = Option<Vec<Lenient<T>>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a list's items")
+    }
+
+    fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: serde::Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+        deserializer.deserialize_seq(self)
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element::<Lenient<T>>()? {
+            if items.len() == self.max_items {
+                return Err(serde::de::Error::custom(format!(
+                    "the page has more than the {} items asked for",
+                    self.max_items
+                )));
+            }
+            items.push(item);
+        }
+        Ok(Some(items))
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]

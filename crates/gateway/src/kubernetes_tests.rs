@@ -59,11 +59,20 @@ fn list_pages_read_only_the_fields_discovery_uses() {
             {"metadata": {"name": 7}},
         ],
     });
-    let list: crate::kubernetes_objects::List<Pod> = serde_json::from_value(page).unwrap();
+    let bytes = serde_json::to_vec(&page).unwrap();
+    let list = crate::kubernetes_objects::List::<Pod>::read(&bytes, 2).unwrap();
     assert_eq!(list.metadata.next.as_deref(), Some("next"));
     let items = list.items.unwrap();
     assert!(matches!(&items[0], crate::kubernetes_objects::Lenient::Read(p) if pod_address(p).is_some()));
     assert!(matches!(&items[1], crate::kubernetes_objects::Lenient::Unreadable(_)));
+    // A page with more items than asked for is refused as it is read; no items, or null, is an empty page.
+    let err = crate::kubernetes_objects::List::<Pod>::read(&bytes, 1).unwrap_err();
+    assert!(err.to_string().contains("more than the 1 items asked for"), "{err}");
+    for empty in [r#"{"items": null}"#, r#"{"metadata": {}}"#] {
+        let list = crate::kubernetes_objects::List::<Pod>::read(empty.as_bytes(), 1).unwrap();
+        assert!(list.items.is_none(), "{empty}");
+    }
+    assert!(crate::kubernetes_objects::List::<Pod>::read(b"[]", 1).is_err());
 }
 
 /// Only a change in what discovery reads is a change: the same object modified again, or deleted twice, is not.

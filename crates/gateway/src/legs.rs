@@ -233,6 +233,12 @@ async fn read_bounded(mut body: hyper::body::Incoming, idle: Duration) -> Bytes 
     Bytes::from(out)
 }
 
+/// How long a prefill leg may go on after the decode answer the client got has ended. By then the prefill is long
+/// over (the decode server's first token came after it): what is left of its answer is a few bytes and a usage
+/// report, which 5 s covers on a slow link; a leg still open then has stalled, and would hold its endpoint in
+/// flight until `stream_idle_timeout_ms`.
+pub const DETACHED_PREFILL_GRACE: Duration = Duration::from_secs(5);
+
 /// A running prefill leg, watched from the decode side: dropped before the leg ended, it aborts it.
 pub struct PrefillWatch {
     handle: JoinHandle<Result<(), LegFailure>>,
@@ -254,7 +260,27 @@ impl Watch for PrefillWatch {
     }
 
     fn detach(&mut self) {
+        if self.detached || self.handle.is_finished() {
+            self.detached = true;
+            return;
+        }
         self.detached = true;
+        // The leg may finish its answer (a few events and its usage report), not hold its endpoint's in-flight
+        // count for a stalled stream's idle timeout.
+        let leg = self.handle.abort_handle();
+        let label = self.label.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(DETACHED_PREFILL_GRACE).await;
+            if !leg.is_finished() {
+                leg.abort();
+                crate::refusals::refused("prefill_leg_cut", || {
+                    format!(
+                        "the prefill leg at {label} was still answering {DETACHED_PREFILL_GRACE:?} after the decode \
+                         answer ended: cut"
+                    )
+                });
+            }
+        });
     }
 
     fn answer_started(&mut self) {
@@ -292,13 +318,14 @@ pub async fn forward(
     let membership = Arc::clone(&routed.membership);
     let mut refused: Vec<WorkerId> = Vec::new();
     let mut running: Option<PrefillWatch> = None;
+    let prefill_budget = state.config.disaggregation.prefill_first_byte(first_byte_timeout);
     if routed.prefill_target().is_some_and(|t| t.backend == Backend::Vllm) {
         let step = PrefillFirst {
             state,
             headers,
             path_and_query,
             span: &span,
-            timing,
+            timing: prefill_timing(timing, prefill_budget),
         };
         if let Some(answer) = step.run(&mut routed, &mut refused).await? {
             return Ok(answer);
@@ -323,7 +350,7 @@ pub async fn forward(
                 target: prefill_target.clone(),
                 state: Arc::clone(state),
                 attempt,
-                timing,
+                timing: prefill_timing(timing, prefill_budget),
                 decode_started: Some(decode_started),
             };
             running = Some(PrefillWatch {
@@ -391,7 +418,7 @@ pub async fn forward(
                     LegFailure::Timeout(_) => {
                         return Err(ApiError::UpstreamTimeout {
                             endpoint: prefill_label,
-                            after_ms: first_byte_timeout.as_millis() as u64,
+                            after_ms: prefill_budget.as_millis() as u64,
                         })
                     }
                     failure => {
@@ -451,6 +478,16 @@ pub async fn forward(
                 crate::routing::count_decision(state, routed.ticket.pick.branch);
             }
         }
+    }
+}
+
+/// A prefill leg's timing: its response head within `budget` from now, and never after the request's deadline
+/// (`[disaggregation] prefill_first_byte_timeout_ms`): a prefill server that never answers is found out, and
+/// blamed, while the decode leg still has time.
+fn prefill_timing(request: Timing, budget: Duration) -> Timing {
+    Timing {
+        first_byte: request.first_byte.min(tokio::time::Instant::now() + budget),
+        ..request
     }
 }
 

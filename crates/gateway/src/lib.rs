@@ -17,8 +17,8 @@
 //!    [`crate::registry`] (workers, endpoints, health, membership), [`crate::policies`], [`crate::tokens`],
 //!    [`crate::clients`] (who calls: keys and rate limits), [`crate::flow_affinity`] (a queued request's routing
 //!    data, over the registry's membership);
-//!    [`crate::telemetry`] (metric names, over the registry); [`crate::parse_errors`] (JSON bodies for the answers
-//!    hyper writes itself).
+//!    [`crate::telemetry`] (metric names, over the registry); [`crate::refusals`] (untrusted input dropped,
+//!    clipped or refused, counted); [`crate::parse_errors`] (JSON bodies for the answers hyper writes itself).
 //! 3. Features that take the parts they use: [`crate::kv_events`] (the feeds: workers, registry, policies and
 //!    their own status map), [`crate::access`] (what each answer was), [`crate::flow`] (flow control's queue, over
 //!    the registry), the discovery sources
@@ -59,6 +59,7 @@ pub mod pairing;
 pub mod parse_errors;
 pub mod policies;
 pub mod proxy;
+pub mod refusals;
 pub mod registry;
 pub mod relay;
 pub mod response_homes;

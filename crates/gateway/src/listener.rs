@@ -555,12 +555,14 @@ impl hyper::service::Service<hyper::Request<Incoming>> for ConnService {
 
 /// Warns at start when `max_connections` clients plus `max_in_flight` upstream connections would not fit under
 /// the process's open-file limit (Linux: read from `/proc/self/limits`).
+/// Once per process: `epp` runs two listeners (gRPC and HTTP) over one limit.
 fn warn_if_short_of_fds(config: &ServerConfig) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     let Some(limit) = open_files_limit() else {
         return;
     };
     let wanted = u64::from(config.max_connections) + u64::from(config.max_in_flight) + FD_RESERVE;
-    if wanted > limit {
+    if wanted > limit && !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
         tracing::warn!(
             open_files_limit = limit,
             max_connections = config.max_connections,

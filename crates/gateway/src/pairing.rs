@@ -274,6 +274,7 @@ mod tests {
             local_prefill_below_tokens: below,
             local_prefill_max_share: share,
             prefill_busy_tokens: busy,
+            ..Default::default()
         }
     }
 

@@ -2,7 +2,7 @@
 //!
 //! Engines that implement `/v1/responses` (vLLM, SGLang) keep the responses they create in their own process, and
 //! a conversation goes on with `previous_response_id`, which only that worker knows: elsewhere it is a 404. So the
-//! gateway remembers, for the last [`crate::response_homes::REMEMBERED`] responses it relayed, the endpoint that made each one (its id is
+//! gateway remembers, for the last `remembered_responses` responses it relayed (65,536 by default; a fair share for each keyed client), the endpoint that made each one (its id is
 //! read from the answer as it passes, by the usage scanner), and sends
 //! - a request that continues one of them to that endpoint (its rank also holds the conversation's cache), to
 //!   another rank of the same worker when that endpoint cannot take it, and through the policy as usual only when
@@ -26,7 +26,6 @@ use axum::response::{IntoResponse, Response};
 
 use crate::error::ApiError;
 use crate::relay::authorization;
-use crate::response_homes::REMEMBERED;
 use crate::state::AppState;
 
 /// Client headers a stored-response request takes to the worker (and `Authorization` as [`authorization`] says).
@@ -51,7 +50,8 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         .home(&id, client.as_ref().map(|c| &*c.name))
         .ok_or_else(|| {
             ApiError::NotFound(format!(
-                "no response `{id}` is known here: only the last {REMEMBERED} responses made through this gateway are"
+                "no response `{id}` is known here: only the last {} responses made through this gateway are",
+                state.config.remembered_responses
             ))
         })?;
     let membership = state.registry.membership();

@@ -118,8 +118,12 @@ impl Routed {
                 .chain(self.pairing_members(target, path)),
             |kind| match kind {
                 MemberKind::Model => self.model_member.is_some(),
-                // The gateway pairs the legs: the client's pairing fields would contradict its own.
-                MemberKind::Disaggregation => self.pair.is_some() || target.role != Role::Aggregated,
+                // What steers a KV transfer is never a client's (on aggregated workers too: a vLLM fleet with a KV
+                // connector would fetch KV where a client says); the gateway sets its own on a pair's legs.
+                MemberKind::Disaggregation => true,
+                // A client's room may stay on an aggregated worker (`follow_bootstrap_room` routes by it); the
+                // gateway pairs a disaggregated request's legs with its own.
+                MemberKind::BootstrapRoom => self.pair.is_some() || target.role != Role::Aggregated,
                 MemberKind::Streaming | MemberKind::Length => self.vllm_prefill_leg(target),
                 _ => false,
             },
@@ -226,8 +230,8 @@ pub async fn route(
         if state.responses.home(id, asker).is_none() {
             return Err(ApiError::NotFound(format!(
                 "no response `{id}` of this client is known here: only the last {} responses made through this \
-                 gateway are",
-                crate::response_homes::REMEMBERED
+                 gateway are (a fair share of them for each client)",
+                state.config.remembered_responses
             )));
         }
     }
@@ -311,6 +315,13 @@ pub async fn route(
         (dispatch_among(policy, &membership.snapshot, &with_room, route)?, None)
     };
     count_decision(state, ticket.pick.branch);
+    if layout.has(MemberKind::Disaggregation) {
+        crate::refusals::refused("client_field", || {
+            "a client's kv_transfer_params, bootstrap_host, bootstrap_port or disagg_prefill_dp_rank dropped: \
+             only the gateway steers a KV transfer"
+                .to_string()
+        });
+    }
     // The request holds its share of the load now: the queue's dispatcher may look again.
     drop(admitted);
     Ok(Routed {
@@ -375,7 +386,7 @@ fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) 
     if membership.targets.iter().any(|t| t.serves(served)) {
         return Ok(Some(served.to_string()));
     }
-    Err(ApiError::ModelNotFound(asked.to_string()))
+    Err(ApiError::ModelNotFound(crate::throttled::clip(asked).into_owned()))
 }
 
 /// Counts a routing decision (metrics and `GET /workers`).

@@ -316,15 +316,27 @@ async fn check_request_head(request: Request, next: Next) -> Response {
         return ApiError::UriTooLong(MAX_URI_BYTES).into_response();
     }
     let headers = request.headers();
-    let bytes: usize = headers.iter().map(|(n, v)| n.as_str().len() + v.len() + 4).sum();
-    if headers.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return ApiError::HeadersTooLarge(format!(
-            "request headers too large: {} headers, {bytes} bytes (at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} bytes)",
-            headers.len()
-        ))
-        .into_response();
+    let sizes = headers.iter().map(|(n, v)| (n.as_str().len(), v.len()));
+    if let Err(e) = check_header_sizes(sizes) {
+        return e.into_response();
     }
     next.run(request).await
+}
+
+/// The request head's limits, for `serve` and the Endpoint Picker alike: at most [`MAX_HEADERS`] headers and
+/// [`MAX_HEADER_BYTES`] bytes of them (`sizes`: each header's name and value lengths, pseudo-headers left out).
+pub fn check_header_sizes(sizes: impl Iterator<Item = (usize, usize)>) -> Result<(), ApiError> {
+    let (mut count, mut bytes) = (0usize, 0usize);
+    for (name, value) in sizes {
+        count += 1;
+        bytes += name + value + 4;
+    }
+    if count > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return Err(ApiError::HeadersTooLarge(format!(
+            "request headers too large: {count} headers, {bytes} bytes (at most {MAX_HEADERS} headers and {MAX_HEADER_BYTES} bytes)"
+        )));
+    }
+    Ok(())
 }
 
 /// Routes whose requests get a trace span: those that go to an engine.

@@ -21,11 +21,27 @@
 //! or a 502/504 that names the prefill endpoint; one that fails while the decode answer streams ends the stream
 //! with an error event; the decode answer's end, or the client going away, aborts the prefill leg.
 //!
-//! The sidecar trusts the header: it sends the prefill leg to the address the header names (an IP address and a
-//! port, nothing else). Only the data plane should reach it; dprouter's picker removes clients' copies of the header.
+//! What the sidecar trusts, since whoever reaches its port can send it anything:
+//! - **Prefill targets**: only those the operator allows (`--prefill-allow`: addresses, IPs or CIDRs; default
+//!   none, said at start). A request naming another is refused (403) before any byte leaves.
+//! - **Pairing fields**: SGLang's bootstrap fields are kept only when they name the allowed prefill endpoint the
+//!   header names (as dprouter's picker sets them); otherwise the request gets a fresh room. A client's
+//!   `kv_transfer_params`, `bootstrap_*` and `disagg_prefill_dp_rank` never reach an engine otherwise: they are
+//!   dropped from every other POST body too (a body that is not a JSON object is refused).
+//! - **Secrets**: a request's `Authorization`, `X-Api-Key`, `Proxy-Authorization` and `Cookie` go to no engine;
+//!   the legs carry the sidecar's own engine key (`--api-key-file`) when it has one.
+//! - **Reflected errors**: a prefill server's error answer is passed to the client clipped to
+//!   [`MAX_REFLECTED_BYTES`].
+//!
+//! Each refusal is counted in `dprouter_refused_input_total` and logged, at most every few seconds.
+//!
+//! The prefill leg has its own deadline for its response head (`--prefill-first-byte-timeout-ms`, by default half
+//! of the request's), so that a prefill server that never answers is named in the client's 504, and under vLLM the
+//! decode server prefills the prompt itself in the time left.
 
+use std::borrow::Cow;
 use std::future::Future;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -65,8 +81,44 @@ pub const FAILED_LEG_HEADER: &str = "x-dprouter-failed-leg";
 /// The rank header vLLM reads.
 const RANK_HEADER: HeaderName = HeaderName::from_static(crate::routing::RANK_HEADER);
 
-/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params`, and of a prefill error answer.
+/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params`.
 const MAX_KEPT_BYTES: usize = 1 << 20;
+
+/// The most of a prefill server's error answer passed to the client.
+pub const MAX_REFLECTED_BYTES: usize = 4 << 10;
+
+/// The request headers that carry a client's secrets: never passed to an engine by the sidecar.
+const SECRET_HEADERS: [&str; 4] = ["authorization", "x-api-key", "proxy-authorization", "cookie"];
+
+/// One entry of `--prefill-allow`: an address (`ip:port`), an IP (any port), or a network (CIDR).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillAllow {
+    Address(SocketAddr),
+    Net(ipnet::IpNet),
+}
+
+impl PrefillAllow {
+    /// Parses `10.0.0.5:8000`, `[fd00::1]:80`, `10.0.0.5`, `fd00::1` or `10.0.0.0/16`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let text = text.trim();
+        if let Ok(address) = text.parse::<SocketAddr>() {
+            return Ok(PrefillAllow::Address(address));
+        }
+        if let Ok(ip) = text.trim_matches(['[', ']']).parse::<IpAddr>() {
+            return Ok(PrefillAllow::Net(ipnet::IpNet::from(ip)));
+        }
+        text.parse::<ipnet::IpNet>()
+            .map(|net| PrefillAllow::Net(net.trunc()))
+            .map_err(|_| format!("{text:?} is not an address (ip:port), an IP or a network (CIDR)"))
+    }
+
+    pub fn allows(&self, address: SocketAddr) -> bool {
+        match self {
+            PrefillAllow::Address(a) => *a == address,
+            PrefillAllow::Net(net) => net.contains(&address.ip()),
+        }
+    }
+}
 
 /// What the sidecar is beside and how long it waits.
 #[derive(Debug, Clone)]
@@ -77,11 +129,17 @@ pub struct SidecarConfig {
     pub backend: Backend,
     /// The SGLang prefill servers' bootstrap port, for a request whose picker named none.
     pub bootstrap_port: Option<u16>,
+    /// The prefill endpoints a request may name (none: every request naming one is refused).
+    pub prefill_allow: Vec<PrefillAllow>,
+    /// The key the legs carry to the engines (`Authorization: Bearer`), if they need one.
+    pub api_key: Option<String>,
     /// The largest request body taken.
     pub max_body_bytes: usize,
     pub connect_timeout: Duration,
-    /// Each leg's response head must come within this.
+    /// The decode leg's response head must come within this of the request's arrival.
     pub first_byte_timeout: Duration,
+    /// The prefill leg's response head must come within this (and within the request's deadline).
+    pub prefill_first_byte_timeout: Duration,
     /// A prefill answer's bytes, each within this of the one before.
     pub idle_timeout: Duration,
 }
@@ -90,15 +148,31 @@ pub struct SidecarConfig {
 struct Sidecar {
     config: Arc<SidecarConfig>,
     upstream: Upstream,
+    /// `Authorization` for the engines, from [`SidecarConfig::api_key`].
+    authorization: Option<HeaderValue>,
 }
 
 /// The sidecar's routes: every path, every method.
 pub fn router(config: SidecarConfig) -> Result<axum::Router, String> {
     let tls = crate::tls::client_config(None, "the decode and prefill servers")?;
     let upstream = Upstream::new(config.connect_timeout, Duration::from_secs(90), tls);
+    let authorization = match &config.api_key {
+        Some(key) => Some(
+            HeaderValue::from_str(&format!("Bearer {}", key.trim()))
+                .map_err(|_| "the engines' API key is not a header value".to_string())?,
+        ),
+        None => None,
+    };
+    if config.prefill_allow.is_empty() {
+        tracing::warn!(
+            "no --prefill-allow: every request that names a prefill endpoint ({PREFILLER_HEADER}) is refused; \
+             allow the prefill servers' addresses or network"
+        );
+    }
     let sidecar = Sidecar {
         config: Arc::new(config),
         upstream,
+        authorization,
     };
     Ok(axum::Router::new().fallback(handle).with_state(sidecar))
 }
@@ -158,7 +232,9 @@ impl Failed {
     /// What the client gets when the leg failed before the decode answer began.
     fn answer(self, endpoint: &str) -> Response {
         let mut out = match self {
-            Failed::Status { status, body } if (400..500).contains(&status) => crate::legs::client_error(status, body),
+            Failed::Status { status, body } if (400..500).contains(&status) => {
+                crate::legs::client_error(status, body.slice(..body.len().min(MAX_REFLECTED_BYTES)))
+            }
             Failed::Timeout(_, after) => ApiError::UpstreamTimeout {
                 endpoint: endpoint.to_string(),
                 after_ms: after.as_millis() as u64,
@@ -201,7 +277,18 @@ impl Sidecar {
     async fn handle(&self, request: Request) -> Result<Response, ApiError> {
         let (parts, body) = request.into_parts();
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
-        let prefill = prefill_address(&parts.headers)?;
+        let prefill = prefill_address(&parts.headers)?.filter(|_| parts.method == Method::POST);
+        if let Some(at) = prefill {
+            if !self.config.prefill_allow.iter().any(|a| a.allows(at)) {
+                crate::refusals::refused("prefill_target", || {
+                    format!("a request named the prefill endpoint {at}, which --prefill-allow does not allow: refused")
+                });
+                return Err(ApiError::Forbidden(format!(
+                    "the prefill endpoint {at} is not allowed here (--prefill-allow)"
+                )));
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.config.first_byte_timeout;
         let limit = self.config.max_body_bytes;
         let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
             let inner = e.into_inner();
@@ -212,33 +299,92 @@ impl Sidecar {
             }
         })?;
         let decode = self.config.decode.clone();
-        let Some(prefill) = prefill.filter(|_| parts.method == Method::POST) else {
-            let request = leg_request(&parts.method, &decode, &path, &parts.headers, None, vec![bytes])?;
-            return self.decode_leg(request, None).await;
+        let Some(prefill) = prefill else {
+            let bytes = if parts.method == Method::POST {
+                without_pairing_fields(bytes)?
+            } else {
+                bytes
+            };
+            let request = self.leg_request(&parts.method, &decode, &path, &parts.headers, None, vec![bytes])?;
+            return self.decode_leg(request, None, deadline).await;
         };
         let parsed = parse_body(&bytes, true)?;
         let (layout, rank) = (parsed.layout, parsed.route.rank_override);
+        let legs = Legs {
+            prefill,
+            path: &path,
+            headers: &parts.headers,
+            deadline,
+        };
         match self.config.backend {
-            Backend::Vllm => self.vllm(prefill, &path, &parts.headers, bytes, &layout).await,
-            _ => {
-                self.sglang(prefill, &path, &parts.headers, (bytes, &layout), rank)
-                    .await
+            Backend::Vllm => self.vllm(legs, bytes, &layout).await,
+            _ => self.sglang(legs, (bytes, &layout), rank).await,
+        }
+    }
+
+    /// The prefill leg's deadline: its own budget, within the request's.
+    fn prefill_deadline(&self, request: tokio::time::Instant) -> tokio::time::Instant {
+        request.min(tokio::time::Instant::now() + self.config.prefill_first_byte_timeout)
+    }
+
+    /// A leg's request: the client's headers but the hop-by-hop ones, its length (the body's own), its secrets
+    /// (the sidecar's own engine key instead, if any) and those that steer the prefill leg; `rank`, when given, is
+    /// the leg's own rank header (`Some(None)`: none).
+    fn leg_request(
+        &self,
+        method: &Method,
+        base: &str,
+        path: &str,
+        headers: &HeaderMap,
+        rank: Option<Option<HeaderValue>>,
+        pieces: Vec<Bytes>,
+    ) -> Result<hyper::Request<Chunks>, ApiError> {
+        let mut builder = hyper::Request::builder()
+            .method(method.clone())
+            .uri(format!("{}{path}", base.trim_end_matches('/')));
+        for (name, value) in headers {
+            let steering = PREFILL_HEADERS.contains(&name.as_str());
+            let secret = SECRET_HEADERS.contains(&name.as_str());
+            let replaced = rank.is_some() && name == RANK_HEADER;
+            if !steering && !secret && !replaced && name != header::HOST && !crate::relay::is_hop_by_hop(name) {
+                builder = builder.header(name, value);
             }
         }
+        if let Some(Some(rank)) = rank {
+            builder = builder.header(RANK_HEADER, rank);
+        }
+        if let Some(key) = &self.authorization {
+            builder = builder.header(header::AUTHORIZATION, key);
+        }
+        builder
+            .body(Chunks::new(pieces))
+            .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
     }
 
     /// SGLang's way: both legs at once, paired by the room (`decode_rank`: the client's body's `routed_dp_rank`,
     /// the decode rank).
     async fn sglang(
         &self,
-        prefill: SocketAddr,
-        path: &str,
-        headers: &HeaderMap,
+        legs: Legs<'_>,
         (bytes, layout): (Bytes, &Layout),
         decode_rank: Option<i64>,
     ) -> Result<Response, ApiError> {
-        let fields: Bootstrap = serde_json::from_slice(&bytes)
+        let Legs {
+            prefill,
+            path,
+            headers,
+            deadline,
+        } = legs;
+        let mut fields: Bootstrap = serde_json::from_slice(&bytes)
             .map_err(|e| ApiError::BadRequest(format!("a bootstrap field is not what SGLang takes: {e}")))?;
+        // The picker's pairing names the prefill endpoint the header names; any other is not the picker's.
+        if let Some(host) = fields.bootstrap_host.filter(|h| !names_ip(h, prefill.ip())) {
+            let host = crate::throttled::clip(host.get()).into_owned();
+            crate::refusals::refused("client_field", move || {
+                format!("bootstrap_host {host} is not the prefill endpoint {prefill}: the request gets a fresh room")
+            });
+            fields = Bootstrap::default();
+        }
         let rank_of_header = headers
             .get(PREFILL_RANK_HEADER)
             .and_then(|v| v.to_str().ok())
@@ -255,9 +401,7 @@ impl Sidecar {
                 if let Some(rank) = fields.disagg_prefill_dp_rank.or(rank_of_header) {
                     members.push_str(&format!(r#","routed_dp_rank":{rank}"#));
                 }
-                let prefill_body = laid_out(&bytes, layout, [Bytes::from(members)], |k| {
-                    k == MemberKind::Disaggregation
-                });
+                let prefill_body = laid_out(&bytes, layout, [Bytes::from(members)], MemberKind::is_pairing);
                 (prefill_body, vec![bytes.clone()])
             }
             _ => {
@@ -272,7 +416,7 @@ impl Sidecar {
                 if let Some(rank) = decode_rank {
                     decode_members.push_str(&format!(r#","routed_dp_rank":{rank}"#));
                 }
-                let disaggregation = |k| k == MemberKind::Disaggregation;
+                let disaggregation = MemberKind::is_pairing;
                 (
                     laid_out(&bytes, layout, [Bytes::from(members)], disaggregation),
                     laid_out(&bytes, layout, [Bytes::from(decode_members)], disaggregation),
@@ -281,46 +425,47 @@ impl Sidecar {
         };
         let endpoint = prefill.to_string();
         let base = format!("http://{endpoint}");
-        let request = leg_request(&Method::POST, &base, path, headers, Some(None), prefill_body)?;
+        let request = self.leg_request(&Method::POST, &base, path, headers, Some(None), prefill_body)?;
         let leg = Leg(tokio::spawn(prefill_leg(
             self.upstream.clone(),
             request,
-            Arc::clone(&self.config),
+            (self.prefill_deadline(deadline), Arc::clone(&self.config)),
             false,
         )));
-        let decode = leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
-        self.decode_leg(decode, Some((leg, endpoint))).await
+        let decode = self.leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
+        self.decode_leg(decode, Some((leg, endpoint)), deadline).await
     }
 
     /// vLLM's way: the prefill leg to its end, then the decode leg with its `kv_transfer_params`.
-    async fn vllm(
-        &self,
-        prefill: SocketAddr,
-        path: &str,
-        headers: &HeaderMap,
-        bytes: Bytes,
-        layout: &Layout,
-    ) -> Result<Response, ApiError> {
+    async fn vllm(&self, legs: Legs<'_>, bytes: Bytes, layout: &Layout) -> Result<Response, ApiError> {
+        let Legs {
+            prefill,
+            path,
+            headers,
+            deadline,
+        } = legs;
         let endpoint = prefill.to_string();
         let members = crate::pairing::vllm_prefill_members(path);
         let prefill_body = laid_out(&bytes, layout, [members], |k| {
             matches!(
                 k,
-                MemberKind::Disaggregation | MemberKind::Streaming | MemberKind::Length
+                MemberKind::Disaggregation | MemberKind::BootstrapRoom | MemberKind::Streaming | MemberKind::Length
             )
         });
         let rank = headers.get(PREFILL_RANK_HEADER).cloned();
         let base = format!("http://{endpoint}");
-        let request = leg_request(&Method::POST, &base, path, headers, Some(rank), prefill_body)?;
-        let params = match prefill_leg(self.upstream.clone(), request, Arc::clone(&self.config), true).await {
+        let request = self.leg_request(&Method::POST, &base, path, headers, Some(rank), prefill_body)?;
+        let config = (self.prefill_deadline(deadline), Arc::clone(&self.config));
+        let params = match prefill_leg(self.upstream.clone(), request, config, true).await {
             Ok(answer) => answer.as_deref().and_then(crate::legs::kv_transfer_params),
             Err(Failed::Status { status, body }) if (400..500).contains(&status) => {
+                let body = body.slice(..body.len().min(MAX_REFLECTED_BYTES));
                 return Ok(crate::legs::client_error(status, body));
             }
             Err(failed) => {
                 tracing::warn!(
                     endpoint,
-                    "{}: the decode server prefills the prompt itself",
+                    "{}: the decode server prefills the prompt itself (in the time left)",
                     failed.message(&endpoint)
                 );
                 None
@@ -334,9 +479,9 @@ impl Sidecar {
             member.extend_from_slice(&params);
             Bytes::from(member)
         });
-        let decode_body = laid_out(&bytes, layout, member, |k| k == MemberKind::Disaggregation);
-        let decode = leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
-        self.decode_leg(decode, None).await
+        let decode_body = laid_out(&bytes, layout, member, MemberKind::is_pairing);
+        let decode = self.leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
+        self.decode_leg(decode, None, deadline).await
     }
 
     /// Sends the decode leg and relays its answer, watching `prefill` (the leg and its endpoint) while it runs.
@@ -344,10 +489,11 @@ impl Sidecar {
         &self,
         request: hyper::Request<Chunks>,
         mut prefill: Option<(Leg, String)>,
+        deadline: tokio::time::Instant,
     ) -> Result<Response, ApiError> {
         let after = self.config.first_byte_timeout;
         let decode = self.config.decode.clone();
-        let send = tokio::time::timeout(after, self.upstream.send(request));
+        let send = tokio::time::timeout_at(deadline, self.upstream.send(request));
         tokio::pin!(send);
         let sent = loop {
             let Some((leg, endpoint)) = prefill.as_mut() else {
@@ -431,46 +577,90 @@ fn prefill_address(headers: &HeaderMap) -> Result<Option<SocketAddr>, ApiError> 
     })
 }
 
-/// A leg's request: the client's headers but the hop-by-hop ones, its length (the body's own) and those that
-/// steer the prefill leg; `rank`, when given, is the leg's own rank header (`Some(None)`: none).
-fn leg_request(
-    method: &Method,
-    base: &str,
-    path: &str,
-    headers: &HeaderMap,
-    rank: Option<Option<HeaderValue>>,
-    pieces: Vec<Bytes>,
-) -> Result<hyper::Request<Chunks>, ApiError> {
-    let mut builder = hyper::Request::builder()
-        .method(method.clone())
-        .uri(format!("{}{path}", base.trim_end_matches('/')));
-    for (name, value) in headers {
-        let steering = PREFILL_HEADERS.contains(&name.as_str());
-        let replaced = rank.is_some() && name == RANK_HEADER;
-        if !steering && !replaced && name != header::HOST && !crate::relay::is_hop_by_hop(name) {
-            builder = builder.header(name, value);
+/// Where a request's two legs go, and by when.
+#[derive(Clone, Copy)]
+struct Legs<'a> {
+    prefill: SocketAddr,
+    path: &'a str,
+    headers: &'a HeaderMap,
+    /// The decode answer's head must come by then.
+    deadline: tokio::time::Instant,
+}
+
+/// Whether a bootstrap host (a JSON string) names `ip`.
+fn names_ip(host: &RawValue, ip: IpAddr) -> bool {
+    serde_json::from_str::<Cow<'_, str>>(host.get())
+        .ok()
+        .and_then(|h| h.trim_matches(['[', ']']).parse::<IpAddr>().ok())
+        == Some(ip)
+}
+
+/// A POST body that goes to the decode server alone, without the members that steer a KV transfer
+/// ([`dprouter_core::request_body::DISAGGREGATION_FIELDS`]): only a picker pairs legs, through the prefill
+/// header. An empty body goes as it came; one that is not a JSON object is refused.
+fn without_pairing_fields(bytes: Bytes) -> Result<Bytes, ApiError> {
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(bytes);
+    }
+    let members: Members<'_> = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::BadRequest(format!("the request body is not a JSON object: {e}")))?;
+    let pairing = |key: &str| dprouter_core::request_body::DISAGGREGATION_FIELDS.contains(&key);
+    if !members.0.iter().any(|(key, _)| pairing(key)) {
+        return Ok(bytes);
+    }
+    crate::refusals::refused("client_field", || {
+        "a request's kv_transfer_params or bootstrap fields dropped: only a picker pairs the legs".to_string()
+    });
+    let mut out = Vec::with_capacity(bytes.len());
+    out.push(b'{');
+    for (key, value) in members.0.iter().filter(|(key, _)| !pairing(key)) {
+        if out.len() > 1 {
+            out.push(b',');
         }
+        out.extend_from_slice(&serde_json::to_vec(key.as_ref()).unwrap_or_default());
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
     }
-    if let Some(Some(rank)) = rank {
-        builder = builder.header(RANK_HEADER, rank);
+    out.push(b'}');
+    Ok(Bytes::from(out))
+}
+
+/// A JSON object's members in order, their values as they came.
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+                    out.push(entry);
+                }
+                Ok(Members(out))
+            }
+        }
+        deserializer.deserialize_map(Visitor)
     }
-    builder
-        .body(Chunks::new(pieces))
-        .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
 }
 
 /// Sends a prefill leg and reads its answer to the end; returns the answer's first [`MAX_KEPT_BYTES`] when `keep`.
 async fn prefill_leg(
     upstream: Upstream,
     request: hyper::Request<Chunks>,
-    config: Arc<SidecarConfig>,
+    (deadline, config): (tokio::time::Instant, Arc<SidecarConfig>),
     keep: bool,
 ) -> Result<Option<Bytes>, Failed> {
-    let response = match tokio::time::timeout(config.first_byte_timeout, upstream.send(request)).await {
+    let started = tokio::time::Instant::now();
+    let response = match tokio::time::timeout_at(deadline, upstream.send(request)).await {
         Err(_) => {
             return Err(Failed::Timeout(
                 "no response head in time".into(),
-                config.first_byte_timeout,
+                deadline.duration_since(started),
             ))
         }
         Ok(Err(e)) => return Err(Failed::Broken(error_chain(&e))),
@@ -487,7 +677,12 @@ async fn prefill_leg(
             Ok(Some(Ok(frame))) => frame,
         };
         if let (Ok(data), Some(kept)) = (frame.into_data(), kept.as_mut()) {
-            let room = MAX_KEPT_BYTES.saturating_sub(kept.len());
+            let most = if status.is_success() {
+                MAX_KEPT_BYTES
+            } else {
+                MAX_REFLECTED_BYTES
+            };
+            let room = most.saturating_sub(kept.len());
             kept.extend_from_slice(&data[..data.len().min(room)]);
         }
     }
@@ -601,8 +796,29 @@ mod tests {
         }
     }
 
+    fn sidecar(api_key: Option<&str>) -> Sidecar {
+        let config = SidecarConfig {
+            decode: "http://d:1".into(),
+            backend: Backend::Vllm,
+            bootstrap_port: None,
+            prefill_allow: vec![],
+            api_key: api_key.map(str::to_string),
+            max_body_bytes: 1 << 20,
+            connect_timeout: Duration::from_secs(1),
+            first_byte_timeout: Duration::from_secs(10),
+            prefill_first_byte_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(10),
+        };
+        let tls = crate::tls::client_config(None, "test").unwrap();
+        Sidecar {
+            authorization: api_key.map(|k| HeaderValue::from_str(&format!("Bearer {k}")).unwrap()),
+            config: Arc::new(config),
+            upstream: Upstream::new(Duration::from_secs(1), Duration::from_secs(1), tls),
+        }
+    }
+
     #[test]
-    fn a_leg_gets_the_clients_headers_but_those_that_steer_the_prefill_and_the_hop_by_hop_ones() {
+    fn a_leg_gets_the_clients_headers_but_those_that_steer_the_prefill_its_secrets_and_the_hop_by_hop_ones() {
         let client = headers(&[
             (PREFILLER_HEADER, "10.0.0.5:8000"),
             (PREFILL_RANK_HEADER, "1"),
@@ -611,24 +827,83 @@ mod tests {
             ("connection", "keep-alive"),
             ("host", "decode"),
             ("content-length", "99"),
+            ("authorization", "Bearer client-secret"),
+            ("x-api-key", "client-secret"),
+            ("cookie", "session=1"),
         ]);
-        let decode = leg_request(&Method::POST, "http://d:1/", "/v1/completions", &client, None, vec![]).unwrap();
+        let plain = sidecar(None);
+        let decode = plain
+            .leg_request(&Method::POST, "http://d:1/", "/v1/completions", &client, None, vec![])
+            .unwrap();
         assert_eq!(decode.uri(), "http://d:1/v1/completions");
         let names: Vec<&str> = decode.headers().keys().map(HeaderName::as_str).collect();
         assert_eq!(names, ["x-data-parallel-rank", "x-request-id"]);
         assert_eq!(decode.headers()["x-data-parallel-rank"], "3");
-        let prefill = leg_request(
-            &Method::POST,
-            "http://p:1",
-            "/v1/completions",
-            &client,
-            Some(client.get(PREFILL_RANK_HEADER).cloned()),
-            vec![],
-        )
-        .unwrap();
+        let keyed = sidecar(Some("engine-key"));
+        let prefill = keyed
+            .leg_request(
+                &Method::POST,
+                "http://p:1",
+                "/v1/completions",
+                &client,
+                Some(client.get(PREFILL_RANK_HEADER).cloned()),
+                vec![],
+            )
+            .unwrap();
         assert_eq!(prefill.headers()["x-data-parallel-rank"], "1");
         assert_eq!(prefill.headers()["x-request-id"], "abc");
-        let unranked = leg_request(&Method::POST, "http://p:1", "/", &client, Some(None), vec![]).unwrap();
+        assert_eq!(prefill.headers()["authorization"], "Bearer engine-key");
+        assert_eq!(prefill.headers().get_all("authorization").iter().count(), 1);
+        let unranked = plain
+            .leg_request(&Method::POST, "http://p:1", "/", &client, Some(None), vec![])
+            .unwrap();
         assert!(unranked.headers().get("x-data-parallel-rank").is_none());
+    }
+
+    #[test]
+    fn prefill_targets_are_allowed_by_address_ip_or_network() {
+        let allow = |s: &str, a: &str| PrefillAllow::parse(s).unwrap().allows(a.parse().unwrap());
+        assert!(allow("10.0.0.5:8000", "10.0.0.5:8000"));
+        assert!(!allow("10.0.0.5:8000", "10.0.0.5:8001"));
+        assert!(allow("10.0.0.5", "10.0.0.5:9"));
+        assert!(allow("10.0.0.0/16", "10.0.200.1:80"));
+        assert!(!allow("10.0.0.0/16", "10.1.0.1:80"));
+        assert!(allow("[fd00::1]", "[fd00::1]:80"));
+        assert!(allow("fd00::/8", "[fd12::1]:80"));
+        assert!(!allow("127.0.0.1", "[::1]:80"));
+        for bad in ["", "prefill-0:8000", "10.0.0.0/33", "http://10.0.0.5"] {
+            assert!(PrefillAllow::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_body_for_the_decode_server_alone_loses_its_pairing_fields() {
+        let kept = Bytes::from_static(br#"{"prompt": "x", "max_tokens": 2}"#);
+        assert_eq!(without_pairing_fields(kept.clone()).unwrap(), kept);
+        assert_eq!(without_pairing_fields(Bytes::new()).unwrap(), Bytes::new());
+        let steered = Bytes::from_static(
+            br#"{"prompt":"x","kv_transfer_params":{"remote_host":"10.9.9.9"},"bootstrap_host":"10.9.9.9","bootstrap_room":7,"kv_transfer\u005fparams":1,"n":1}"#,
+        );
+        let out = without_pairing_fields(steered).unwrap();
+        assert_eq!(out, Bytes::from_static(br#"{"prompt":"x","n":1}"#));
+        assert_eq!(
+            without_pairing_fields(Bytes::from_static(b"[1]")).unwrap_err().status(),
+            400
+        );
+        assert_eq!(
+            without_pairing_fields(Bytes::from_static(b"{\"a\":NaN}"))
+                .unwrap_err()
+                .status(),
+            400
+        );
+    }
+
+    #[test]
+    fn a_bootstrap_host_names_an_ip() {
+        let raw = |s: &str| serde_json::from_str::<Box<RawValue>>(s).unwrap();
+        assert!(names_ip(&raw(r#""10.0.0.5""#), "10.0.0.5".parse().unwrap()));
+        assert!(names_ip(&raw(r#""[fd00::1]""#), "fd00::1".parse().unwrap()));
+        assert!(!names_ip(&raw(r#""10.0.0.6""#), "10.0.0.5".parse().unwrap()));
+        assert!(!names_ip(&raw("5"), "10.0.0.5".parse().unwrap()));
     }
 }

@@ -78,9 +78,7 @@ impl AppState {
             kv_feeds: Default::default(),
             tokenizers: crate::tokens::Tokenizers::load(&config)
                 .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?,
-            responses: Arc::new(crate::response_homes::ResponseHomes::new(
-                crate::response_homes::REMEMBERED,
-            )),
+            responses: Arc::new(crate::response_homes::ResponseHomes::new(config.remembered_responses)),
             clients: crate::clients::Clients::new(&config.clients),
             flow: crate::flow::FlowControl::new(&config.flow_control, {
                 let poll = config.load.poll_interval_ms;

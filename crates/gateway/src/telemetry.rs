@@ -22,6 +22,7 @@
 //! | `dprouter_queue_requests`, `dprouter_queue_bytes` | gauge | `band` (flow control: requests and body bytes waiting, per priority) |
 //! | `dprouter_queue_wait_seconds` | histogram | `band` (flow control: time queued, of the requests released) |
 //! | `dprouter_queue_refusals_total` | counter | `reason` (`shed`, `queue_full`, `queue_bytes`, `timeout`, `client_gone`) |
+//! | `dprouter_refused_input_total` | counter | `what` (an untrusted input dropped, clipped or refused: `client_field`, `client_string`, `prefill_target`, `kubernetes_answer`, `served_elsewhere`, `late_body`, `unkeyed_objective`, `prefill_leg_cut`; [`crate::refusals`]) |
 //! | `dprouter_trace_spans_exported_total` | counter | (tracing on: spans the collector accepted; `dprouter_otel::queue`) |
 //! | `dprouter_trace_spans_dropped_total` | counter | `reason` (`queue_full`, `export_failed`) |
 
@@ -53,6 +54,7 @@ pub const QUEUE_REQUESTS: &str = "dprouter_queue_requests";
 pub const QUEUE_BYTES: &str = "dprouter_queue_bytes";
 pub const QUEUE_WAIT: &str = "dprouter_queue_wait_seconds";
 pub const QUEUE_REFUSALS: &str = "dprouter_queue_refusals_total";
+pub const REFUSED_INPUT: &str = "dprouter_refused_input_total";
 
 /// Every metric the gateway exports (histograms by their base name). `deploy/grafana/dprouter.json` charts each one;
 /// `tests/dashboard.rs` keeps the two in step.
@@ -79,6 +81,7 @@ pub const ALL: &[&str] = &[
     QUEUE_BYTES,
     QUEUE_WAIT,
     QUEUE_REFUSALS,
+    REFUSED_INPUT,
     dprouter_otel::SPANS_EXPORTED,
     dprouter_otel::SPANS_DROPPED,
 ];

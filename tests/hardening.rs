@@ -1,0 +1,809 @@
+//! Hardening 4, end to end through the real processes: what a hostile client, a hostile peer of the picker's gRPC
+//! port and a hostile Kubernetes API server can no longer do (docs/operations.md, "What the gateway does not take").
+//! Scripted engines record what reaches them, so a test can show that a client's field, secret or string did not.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::picker::Picker;
+use common::{client, eventually, get, post, Proc};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What a scripted engine does with a POST.
+#[derive(Clone, Copy)]
+enum Act {
+    /// Answers 200 with this JSON.
+    Json(&'static str),
+    /// Answers this status with a JSON body of about this many bytes.
+    Status(u16, usize),
+    /// Never answers (the connection is held open).
+    Hang,
+    /// Sends a stream's head and one event, then nothing more (held open).
+    SseThenStall,
+}
+
+/// A scripted engine: answers GETs as an engine that is up (`/get_server_info`: one rank; `/v1/models`: the model
+/// `m`), POSTs by its [`Act`], and records every request's head (lower-cased) and body.
+struct Scripted {
+    url: String,
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+}
+
+impl Scripted {
+    async fn start(act: Act) -> Scripted {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&seen);
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(answer(socket, act, Arc::clone(&log)));
+            }
+        });
+        Scripted { url, seen }
+    }
+
+    /// The POSTs that reached it: head and body.
+    fn posts(&self) -> Vec<(String, String)> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter().filter(|(h, _)| h.starts_with("post ")).cloned().collect()
+    }
+
+    fn port(&self) -> u16 {
+        common::port_of(&self.url)
+    }
+}
+
+async fn answer(mut socket: TcpStream, act: Act, seen: Arc<Mutex<Vec<(String, String)>>>) {
+    let Some((head, length)) = common::read_head(&mut socket).await else {
+        return;
+    };
+    let mut body = vec![0u8; length];
+    let _ = socket.read_exact(&mut body).await;
+    seen.lock()
+        .unwrap()
+        .push((head.clone(), String::from_utf8_lossy(&body).into_owned()));
+    if !head.starts_with("post ") {
+        let reply = if head.starts_with("get /v1/models") {
+            r#"{"object": "list", "data": [{"id": "m", "object": "model"}]}"#
+        } else {
+            r#"{"dp_size": 1}"#
+        };
+        let _ = socket.write_all(common::json_answer(reply).as_bytes()).await;
+        return;
+    }
+    match act {
+        Act::Json(reply) => {
+            let _ = socket.write_all(common::json_answer(reply).as_bytes()).await;
+        }
+        Act::Status(status, bytes) => {
+            let reply = format!(r#"{{"error": {{"message": "{}"}}}}"#, "x".repeat(bytes));
+            let head = format!(
+                "HTTP/1.1 {status} Bad\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                reply.len()
+            );
+            let _ = socket.write_all(head.as_bytes()).await;
+            let _ = socket.write_all(reply.as_bytes()).await;
+        }
+        Act::Hang => tokio::time::sleep(Duration::from_secs(120)).await,
+        Act::SseThenStall => {
+            let event = "data: {\"choices\": [{\"text\": \"a\"}]}\n\n";
+            let out = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+                event.len()
+            );
+            let _ = socket.write_all(out.as_bytes()).await;
+            tokio::time::sleep(Duration::from_secs(120)).await;
+        }
+    }
+}
+
+/// The value of the counter `dprouter_refused_input_total{what="WHAT"}` on `/metrics` (0 when absent).
+async fn refused(c: &common::HttpClient, url: &str, what: &str) -> u64 {
+    let text = get(c, &format!("{url}/metrics")).await.text;
+    let needle = format!("dprouter_refused_input_total{{what=\"{what}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&needle))
+        .map_or(0, |v| v.trim().parse().unwrap())
+}
+
+fn completion(extra: Value) -> Value {
+    let mut body = json!({"model": "m", "prompt": "hello there", "max_tokens": 2});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+/// A `dprouter decode-sidecar` in front of `decode`, with `extra` flags.
+fn sidecar(decode: &Scripted, extra: &[&str]) -> Proc {
+    let mut args = vec!["decode-sidecar", "--listen", "127.0.0.1:0", "--decode", &decode.url];
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// F3: the decode sidecar sends a prefill leg only to an allowed endpoint, with none of the client's secrets, and
+/// never lets a client's pairing fields steer a KV transfer; a prefill server's error is passed on clipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_sidecar_trusts_only_allowed_prefill_endpoints_and_drops_client_secrets_and_pairing_fields() {
+    let c = client();
+    let decode = Scripted::start(Act::Json(r#"{"choices": [{"text": "ok"}]}"#)).await;
+    let prefill = Scripted::start(Act::Json(
+        r#"{"choices": [{"text": "p"}], "kv_transfer_params": {"remote_engine_id": "from-prefill"}}"#,
+    ))
+    .await;
+    let at = prefill.url.trim_start_matches("http://").to_string();
+    let secrets = [
+        ("authorization", "Bearer client-secret"),
+        ("x-api-key", "client-secret"),
+        ("cookie", "session=client-secret"),
+    ];
+    let mut headers = vec![("x-prefiller-host-port", at.as_str())];
+    headers.extend(secrets);
+    let steering = completion(json!({"kv_transfer_params": {"remote_host": "10.9.9.9"}, "bootstrap_host": "10.9.9.9"}));
+
+    // No allow-list: refused, and nothing reaches the named address.
+    let open = sidecar(&decode, &["--backend", "vllm"]);
+    let reply = post(&c, &format!("{}/v1/completions", open.url), &headers, &steering).await;
+    assert_eq!(reply.status, 403, "{}", reply.text);
+    assert!(reply.text.contains("--prefill-allow"), "{}", reply.text);
+    assert!(prefill.posts().is_empty() && decode.posts().is_empty());
+
+    // Allowed: the legs carry the sidecar's own key, no client secret, and the prefill's pairing only.
+    let key = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hardening-engine-key");
+    std::fs::write(&key, "engine-key\n").unwrap();
+    let allowed = sidecar(
+        &decode,
+        &[
+            "--backend",
+            "vllm",
+            "--prefill-allow",
+            &format!("10.0.0.0/8,127.0.0.1:{}", prefill.port()),
+            "--api-key-file",
+            key.to_str().unwrap(),
+        ],
+    );
+    let url = format!("{}/v1/completions", allowed.url);
+    let reply = post(&c, &url, &headers, &steering).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let (prefill_head, prefill_body) = prefill.posts().pop().unwrap();
+    let (decode_head, decode_body) = decode.posts().pop().unwrap();
+    for (leg, head, body) in [
+        ("prefill", &prefill_head, &prefill_body),
+        ("decode", &decode_head, &decode_body),
+    ] {
+        assert!(
+            !head.contains("client-secret"),
+            "the {leg} leg got a client secret: {head}"
+        );
+        assert!(head.contains("authorization: bearer engine-key"), "{leg}: {head}");
+        assert!(
+            !body.contains("10.9.9.9"),
+            "the {leg} leg got the client's pairing: {body}"
+        );
+    }
+    let decode_json: Value = serde_json::from_str(&decode_body).unwrap();
+    assert_eq!(decode_json["kv_transfer_params"]["remote_engine_id"], "from-prefill");
+
+    // A request for the decode server alone loses its pairing fields too.
+    let reply = post(&c, &url, &secrets, &steering).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let (head, body) = decode.posts().pop().unwrap();
+    assert!(
+        !body.contains("10.9.9.9") && !body.contains("kv_transfer_params"),
+        "{body}"
+    );
+    assert!(!head.contains("client-secret"), "{head}");
+
+    // A prefill server's 4xx reaches the client clipped.
+    let refusing = Scripted::start(Act::Status(400, 100_000)).await;
+    let at = refusing.url.trim_start_matches("http://").to_string();
+    let reply = post(
+        &c,
+        &url,
+        &[("x-prefiller-host-port", at.as_str())],
+        &completion(json!({})),
+    )
+    .await;
+    assert_eq!(
+        reply.status, 403,
+        "10.0.0.0/8 and one port of 127.0.0.1 only: {}",
+        reply.text
+    );
+    let clipping = sidecar(&decode, &["--backend", "vllm", "--prefill-allow", "127.0.0.1"]);
+    let reply = post(
+        &c,
+        &format!("{}/v1/completions", clipping.url),
+        &[("x-prefiller-host-port", at.as_str())],
+        &completion(json!({})),
+    )
+    .await;
+    assert_eq!(reply.status, 400, "{}", reply.text);
+    assert!(reply.text.len() < 5_000, "{} bytes reflected", reply.text.len());
+
+    // SGLang: bootstrap fields that do not name the header's prefill endpoint are not the picker's: a fresh room.
+    let sglang = sidecar(&decode, &["--prefill-allow", "127.0.0.1"]);
+    let at = prefill.url.trim_start_matches("http://").to_string();
+    let body = completion(json!({"bootstrap_host": "10.9.9.9", "bootstrap_port": 1, "bootstrap_room": 5}));
+    let reply = post(
+        &c,
+        &format!("{}/generate", sglang.url),
+        &[("x-prefiller-host-port", at.as_str())],
+        &body,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let decode_json: Value = serde_json::from_str(&decode.posts().pop().unwrap().1).unwrap();
+    assert_eq!(decode_json["bootstrap_host"], "127.0.0.1", "{decode_json}");
+    assert_ne!(decode_json["bootstrap_room"], 5, "{decode_json}");
+}
+
+/// F6: a client's `kv_transfer_params`, `bootstrap_host`, `bootstrap_port` and `disagg_prefill_dp_rank` never reach
+/// an aggregated engine; its `bootstrap_room` does (`follow_bootstrap_room` routes by it). Counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_never_passes_a_clients_kv_transfer_fields_to_an_engine() {
+    let c = client();
+    let engine = Scripted::start(Act::Json(r#"{"choices": [{"text": "ok"}]}"#)).await;
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &engine.url,
+        "--backend",
+        "vllm",
+        "--dp-size",
+        "2",
+    ]);
+    let steering = completion(
+        json!({"kv_transfer_params": {"do_remote_prefill": true, "remote_host": "10.9.9.9"},
+        "bootstrap_host": "10.9.9.9", "bootstrap_port": 1, "disagg_prefill_dp_rank": 1, "bootstrap_room": 77}),
+    );
+    for path in ["/v1/completions", "/v1/chat/completions"] {
+        let mut body = steering.clone();
+        if path.contains("chat") {
+            body["messages"] = json!([{"role": "user", "content": "hi"}]);
+            body.as_object_mut().unwrap().remove("prompt");
+        }
+        let reply = post(&c, &format!("{}{path}", gw.url), &[], &body).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+        let (_, seen) = engine.posts().pop().unwrap();
+        let seen: Value = serde_json::from_str(&seen).unwrap();
+        for field in [
+            "kv_transfer_params",
+            "bootstrap_host",
+            "bootstrap_port",
+            "disagg_prefill_dp_rank",
+        ] {
+            assert!(seen.get(field).is_none(), "{path}: {field} reached the engine: {seen}");
+        }
+        assert_eq!(seen["bootstrap_room"], 77, "{seen}");
+    }
+    assert_eq!(refused(&c, &gw.url, "client_field").await, 2);
+}
+
+/// F2: a client's `model` is clipped in the access log (and the spans: the same value), not copied whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_long_model_name_is_clipped_in_the_access_log() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let (gw, log) = Proc::logging_access(&engine, "hardening-access-log");
+    let c = client();
+    let model = "m".repeat(1 << 20);
+    let body = json!({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let reply = post(
+        &c,
+        &format!("{}/v1/chat/completions", gw.url),
+        &[("x-request-id", "long-model")],
+        &body,
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{:.300}", reply.text);
+    let logged = eventually(Duration::from_secs(5), || async {
+        std::fs::read_to_string(&log).unwrap().contains("request_id=long-model")
+    })
+    .await;
+    assert!(logged, "no access log line");
+    let text = std::fs::read_to_string(&log).unwrap();
+    let line = text.lines().find(|l| l.contains("request_id=long-model")).unwrap();
+    assert!(line.len() < 2_000, "an access log line of {} bytes", line.len());
+    assert!(line.contains(&format!("model=\"{}…\"", "m".repeat(256))), "{line:.600}");
+    assert_eq!(refused(&c, &gw.url, "client_string").await, 1);
+}
+
+/// The gateway in front of a prefill and a decode server, both scripted.
+fn disaggregated(prefill: &Scripted, decode: &Scripted, backend: &str, extra: &[&str]) -> Proc {
+    let prefill = if backend == "sglang" {
+        format!("{}:1", prefill.url)
+    } else {
+        prefill.url.clone()
+    };
+    let mut args = vec![
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--backend",
+        backend,
+        "--prefill",
+        &prefill,
+        "--decode",
+        &decode.url,
+    ];
+    args.extend_from_slice(extra);
+    Proc::start(&args)
+}
+
+/// The `dprouter_upstream_errors_total` lines of `kind="timeout"`.
+async fn timeouts(c: &common::HttpClient, url: &str) -> Vec<String> {
+    let text = get(c, &format!("{url}/metrics")).await.text;
+    text.lines()
+        .filter(|l| l.starts_with("dprouter_upstream_errors_total") && l.contains("kind=\"timeout\""))
+        .map(str::to_string)
+        .collect()
+}
+
+/// F4: a prefill server that never answers uses its own share of the first-byte budget: under SGLang the client's
+/// 504 names it and its endpoint is blamed, not the decode one; under vLLM the decode server prefills the prompt in
+/// the time left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_that_never_answers_is_named_and_blamed_and_leaves_the_decode_leg_time() {
+    let c = client();
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hardening-first-byte.toml");
+    std::fs::write(&config, "first_byte_timeout_ms = 3000\n").unwrap();
+    let config = config.to_str().unwrap();
+
+    // SGLang: the decode server waits for the KV cache the prefill never sends.
+    let prefill = Scripted::start(Act::Hang).await;
+    let decode = Scripted::start(Act::Hang).await;
+    let gw = disaggregated(&prefill, &decode, "sglang", &["--config", config]);
+    let started = Instant::now();
+    let reply = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &json!({"text": "hello", "sampling_params": {}}),
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(reply.status, 504, "{}", reply.text);
+    let message = reply.json["error"]["message"].as_str().unwrap().to_string();
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(workers["workers"][0]["url"], prefill.url.as_str(), "{workers}");
+    assert!(message.contains("w0r0"), "the prefill endpoint is named: {message}");
+    assert!(message.contains("1500 ms"), "half the request's 3000 ms: {message}");
+    assert!(took < Duration::from_millis(2900), "{took:?}");
+    let timeouts = timeouts(&c, &gw.url).await;
+    assert!(
+        timeouts.len() == 1 && timeouts[0].contains("endpoint=\"w0r0\""),
+        "only the prefill endpoint is blamed: {timeouts:?}"
+    );
+
+    // vLLM: the prefill leg first, then the decode server alone in the time left.
+    let prefill = Scripted::start(Act::Hang).await;
+    let decode = Scripted::start(Act::Json(r#"{"choices": [{"text": "ok"}]}"#)).await;
+    let gw = disaggregated(&prefill, &decode, "vllm", &["--config", config]);
+    let reply = post(&c, &format!("{}/v1/completions", gw.url), &[], &completion(json!({}))).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(decode.posts().len(), 1);
+}
+
+/// F5: a prefill leg still streaming after the decode answer ended is cut a few seconds later
+/// (`DETACHED_PREFILL_GRACE`, 5 s), not held in flight for the stream idle timeout (300 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_leg_that_stalls_after_the_answer_ended_is_cut() {
+    let c = client();
+    let prefill = Scripted::start(Act::SseThenStall).await;
+    let decode = Scripted::start(Act::Json(r#"{"text": "ok", "meta_info": {}}"#)).await;
+    let gw = disaggregated(&prefill, &decode, "sglang", &[]);
+    let reply = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &json!({"text": "hello", "stream": true}),
+    )
+    .await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    let ended = Instant::now();
+    assert_eq!(
+        common::in_flight(&c, &gw.url).await,
+        1,
+        "the prefill leg goes on a while"
+    );
+    let released = eventually(Duration::from_secs(15), || async {
+        common::in_flight(&c, &gw.url).await == 0
+    })
+    .await;
+    assert!(released, "the stalled prefill leg still counted in flight");
+    assert!(
+        ended.elapsed() >= Duration::from_secs(4),
+        "cut after its grace: {:?}",
+        ended.elapsed()
+    );
+    assert_eq!(refused(&c, &gw.url, "prefill_leg_cut").await, 1);
+}
+
+/// F7: one keyed client's many Responses cannot push out another's (each keeps a fair share of the store).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_push_out_anothers_stored_responses() {
+    let c = client();
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hardening-responses.toml");
+    // `printf %s key-NAME | sha256sum` for alice and bob.
+    std::fs::write(
+        &config,
+        r#"remembered_responses = 8
+[[clients]]
+name = "alice"
+key_sha256 = "87844ec0b0d738e89628640588acaa48537b814a5c4f9697e3b352d11ffedaef"
+[[clients]]
+name = "bob"
+key_sha256 = "f031fc74d10cf0c1284dc15f679c18b1e8e05f9d1966adefba6c6463cdcef658"
+"#,
+    )
+    .unwrap();
+    let gw = Proc::gateway(
+        &[&engine],
+        &["--policy", "round_robin", "--config", config.to_str().unwrap()],
+    );
+    let url = format!("{}/v1/responses", gw.url);
+    let turn = |previous: Option<&str>| {
+        let mut body = json!({"model": "m", "input": "hello", "max_output_tokens": 2});
+        if let Some(id) = previous {
+            body["previous_response_id"] = json!(id);
+        }
+        body
+    };
+    let alice = [("authorization", "Bearer key-alice")];
+    let bob = [("authorization", "Bearer key-bob")];
+    let first = post(&c, &url, &alice, &turn(None)).await;
+    assert_eq!(first.status, 200, "{}", first.text);
+    let id = first.json["id"].as_str().unwrap().to_string();
+    let mut bobs = Vec::new();
+    for _ in 0..20 {
+        let reply = post(&c, &url, &bob, &turn(None)).await;
+        assert_eq!(reply.status, 200, "{}", reply.text);
+        bobs.push(reply.json["id"].as_str().unwrap().to_string());
+    }
+    let next = post(&c, &url, &alice, &turn(Some(&id))).await;
+    assert_eq!(
+        next.status, 200,
+        "alice's conversation survives bob's 20: {}",
+        next.text
+    );
+    // Bob's own oldest went first.
+    let old = post(&c, &url, &bob, &turn(Some(&bobs[0]))).await;
+    assert_eq!(old.status, 404, "{}", old.text);
+}
+
+/// F8: with `trust_unkeyed_objectives = false`, a request without a key cannot name its objective (counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkeyed_objectives_can_be_ignored() {
+    let c = client();
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("hardening-objectives.toml");
+    std::fs::write(
+        &config,
+        "[flow_control]\nenabled = true\ntrust_unkeyed_objectives = false\nobjectives = { critical = 10 }\n",
+    )
+    .unwrap();
+    let gw = Proc::gateway(&[&engine], &["--config", config.to_str().unwrap()]);
+    let body = json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]});
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let reply = post(&c, &url, &[("x-gateway-inference-objective", "critical")], &body).await;
+    assert_eq!(reply.status, 200, "{}", reply.text);
+    assert_eq!(refused(&c, &gw.url, "unkeyed_objective").await, 1);
+}
+
+mod ext_proc {
+    //! E2 and F9: the picker's gRPC port driven by a raw client, as a hostile peer would (Envoy refuses these first).
+
+    use super::*;
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Reply;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse};
+    use envoy_types::pb::google::protobuf::{value::Kind, Struct, Value as PbValue};
+
+    fn message(request: Message, metadata: Option<Metadata>) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(request),
+            metadata_context: metadata,
+            ..Default::default()
+        }
+    }
+
+    fn headers(pairs: &[(String, String)], end_of_stream: bool) -> Message {
+        let headers = pairs
+            .iter()
+            .map(|(key, value)| HeaderValue {
+                key: key.clone(),
+                raw_value: value.as_bytes().to_vec(),
+                ..Default::default()
+            })
+            .collect();
+        Message::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap { headers }),
+            end_of_stream,
+            ..Default::default()
+        })
+    }
+
+    fn request_head() -> Vec<(String, String)> {
+        [
+            (":method", "POST"),
+            (":path", "/v1/completions"),
+            ("content-type", "application/json"),
+        ]
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+    }
+
+    fn body(end_of_stream: bool) -> Message {
+        Message::RequestBody(HttpBody {
+            body: completion(json!({})).to_string().into_bytes(),
+            end_of_stream,
+            ..Default::default()
+        })
+    }
+
+    /// The data plane's word on which endpoint served the request.
+    fn served(address: &str) -> Metadata {
+        let value = PbValue {
+            kind: Some(Kind::StringValue(address.to_string())),
+        };
+        let fields = [("x-gateway-destination-endpoint-served".to_string(), value)].into();
+        Metadata {
+            filter_metadata: [("envoy.lb".to_string(), Struct { fields })].into(),
+            ..Default::default()
+        }
+    }
+
+    /// One stream: `messages` sent one by one, each after the picker's reply to the one before (when it sends
+    /// one); the replies, and the gRPC status the stream ended with (`None`: it ended cleanly).
+    async fn stream(grpc: &str, messages: Vec<ProcessingRequest>) -> (Vec<ProcessingResponse>, Option<tonic::Status>) {
+        let mut client = ExternalProcessorClient::connect(format!("http://{grpc}"))
+            .await
+            .unwrap();
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let mut replies = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut out = Vec::new();
+        for m in messages {
+            tx.send(m).await.unwrap();
+            match tokio::time::timeout(Duration::from_millis(500), replies.message()).await {
+                Ok(Ok(Some(reply))) => out.push(reply),
+                Ok(Ok(None)) => return (out, None),
+                Ok(Err(status)) => return (out, Some(status)),
+                // No reply to this message (a response body chunk is answered as it goes): on to the next.
+                Err(_) => {}
+            }
+            // The replies to a body come as chunks: read what is there.
+            while let Ok(Ok(Some(reply))) = tokio::time::timeout(Duration::from_millis(100), replies.message()).await {
+                out.push(reply);
+            }
+        }
+        drop(tx);
+        match tokio::time::timeout(Duration::from_secs(5), replies.message()).await {
+            Ok(Err(status)) => (out, Some(status)),
+            _ => (out, None),
+        }
+    }
+
+    /// The address the picker chose, from its reply to the headers.
+    fn destination(replies: &[ProcessingResponse]) -> String {
+        replies
+            .iter()
+            .find_map(|r| match &r.response {
+                Some(Reply::RequestHeaders(h)) => h.response.as_ref()?.header_mutation.as_ref().and_then(|m| {
+                    m.set_headers.iter().find_map(|h| {
+                        let h = h.header.as_ref()?;
+                        (h.key == "x-gateway-destination-endpoint")
+                            .then(|| String::from_utf8_lossy(&h.raw_value).into_owned())
+                    })
+                }),
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    fn healthy(workers: &Value) -> usize {
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|w| w["endpoints"].as_array().unwrap().iter())
+            .filter(|e| e["healthy"] == true)
+            .count()
+    }
+
+    /// E2: 5xx reports that name an endpoint the picker did not offer on their stream change nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_report_naming_an_endpoint_not_offered_ejects_nothing() {
+        let c = client();
+        let engines: Vec<Proc> = (0..4).map(|_| Proc::engine(&[])).collect();
+        let refs: Vec<&Proc> = engines.iter().collect();
+        let picker = Picker::start(&refs, &["--backend", "openai", "--fallbacks", "0"]);
+        let addresses: Vec<String> = engines
+            .iter()
+            .map(|e| e.url.trim_start_matches("http://").to_string())
+            .collect();
+        let status_503 = Message::ResponseHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![HeaderValue {
+                    key: ":status".into(),
+                    raw_value: b"503".to_vec(),
+                    ..Default::default()
+                }],
+            }),
+            end_of_stream: true,
+            ..Default::default()
+        });
+        for round in 0..54 {
+            let mut client = ExternalProcessorClient::connect(format!("http://{}", picker.grpc))
+                .await
+                .unwrap();
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let mut replies = client
+                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            tx.send(message(headers(&request_head(), false), None)).await.unwrap();
+            tx.send(message(body(true), None)).await.unwrap();
+            let head = tokio::time::timeout(Duration::from_secs(5), replies.message()).await;
+            let chosen = destination(&[head.unwrap().unwrap().unwrap()]);
+            assert!(!chosen.is_empty(), "round {round}");
+            // The report: another endpoint served it, and failed.
+            let other = addresses.iter().find(|a| **a != chosen).unwrap();
+            tx.send(message(status_503.clone(), Some(served(other)))).await.unwrap();
+            while let Ok(Ok(Some(_))) = tokio::time::timeout(Duration::from_millis(300), replies.message()).await {}
+        }
+        let workers = get(&c, &format!("{}/workers", picker.proc.url)).await.json;
+        assert_eq!(healthy(&workers), 4, "{workers}");
+        assert!(refused(&c, &picker.proc.url, "served_elsewhere").await >= 54);
+    }
+
+    /// F9: a request body chunk after the body's end is refused (`INVALID_ARGUMENT`); a head of 10,000 headers
+    /// gets `serve`'s answer (431); the open-file warning is written once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn late_body_chunks_and_oversized_heads_are_refused() {
+        let c = client();
+        let engine = Proc::engine(&[]);
+        let picker = Picker::start(&[&engine], &["--backend", "openai"]);
+        let (replies, ended) = stream(
+            &picker.grpc,
+            vec![
+                message(headers(&request_head(), false), None),
+                message(body(true), None),
+                message(body(false), None),
+            ],
+        )
+        .await;
+        assert!(!destination(&replies).is_empty(), "{replies:?}");
+        let status = ended.expect("the stream ends with a status");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains("after the body's end"), "{status:?}");
+        assert_eq!(refused(&c, &picker.proc.url, "late_body").await, 1);
+
+        let mut many = request_head();
+        many.extend((0..10_000).map(|i| (format!("x-h{i}"), "v".to_string())));
+        let (replies, _) = stream(&picker.grpc, vec![message(headers(&many, true), None)]).await;
+        let immediate = replies.iter().find_map(|r| match &r.response {
+            Some(Reply::ImmediateResponse(i)) => Some(i.status.as_ref().unwrap().code),
+            _ => None,
+        });
+        assert_eq!(immediate, Some(431), "{replies:?}");
+    }
+
+    #[test]
+    fn the_open_file_warning_is_written_once() {
+        let output = std::process::Command::new("prlimit")
+            .args(["--nofile=256", "--"])
+            .arg(env!("CARGO_BIN_EXE_dprouter"))
+            .args([
+                "epp",
+                "--listen",
+                "127.0.0.1:0",
+                "--http-listen",
+                "127.0.0.1:0",
+                "--worker",
+                "http://127.0.0.1:9",
+                "--backend",
+                "openai",
+            ])
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let pid = output.id();
+        std::thread::sleep(Duration::from_secs(2));
+        let _ = std::process::Command::new("kill").arg(pid.to_string()).status();
+        let output = output.wait_with_output().unwrap();
+        let text = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(text.matches("exceeds the open-file limit").count(), 1, "{text}");
+    }
+}
+
+/// F1: a hostile Kubernetes API server's LIST costs what discovery keeps, not what it sends: 2,000,000 empty
+/// items (a page far larger than the 500 asked for) are refused as they are read, and a server that keeps sending
+/// `continue` is refused after `MAX_LIST_PAGES`. The gateway's peak memory stays under 150 MB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_kubernetes_list_costs_bounded_memory() {
+    let c = client();
+    for hostile in ["huge_page", "endless_pages"] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let api = format!("http://{}", listener.local_addr().unwrap());
+        let page: Arc<Vec<u8>> = Arc::new(match hostile {
+            "huge_page" => {
+                let mut items = b"{\"metadata\": {\"resourceVersion\": \"1\"}, \"items\": [".to_vec();
+                for i in 0..2_000_000 {
+                    items.extend_from_slice(if i == 0 { b"{}" } else { b",{}" });
+                }
+                items.extend_from_slice(b"]}");
+                items
+            }
+            _ => br#"{"metadata": {"resourceVersion": "1", "continue": "again"}, "items": [{}]}"#.to_vec(),
+        });
+        let lists = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (served, counter) = (Arc::clone(&page), Arc::clone(&lists));
+        tokio::spawn(async move {
+            while let Ok((mut socket, _)) = listener.accept().await {
+                let _ = socket.set_nodelay(true);
+                let (page, counter) = (Arc::clone(&served), Arc::clone(&counter));
+                tokio::spawn(async move {
+                    while let Some((head, _)) = common::read_head(&mut socket).await {
+                        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if head.contains("watch=true") {
+                            return;
+                        }
+                        let mut out = format!(
+                            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                            page.len()
+                        )
+                        .into_bytes();
+                        out.extend_from_slice(&page);
+                        if socket.write_all(&out).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        let config = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("hardening-{hostile}.toml"));
+        std::fs::write(
+            &config,
+            format!(
+                "[[discovery.kubernetes]]\npods = \"app=x\"\nport = 8000\nnamespace = \"default\"\napi_server = \
+                 \"{api}\"\nworker = {{ backend = \"openai\" }}\n"
+            ),
+        )
+        .unwrap();
+        let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+        let refusals = eventually(Duration::from_secs(20), || async {
+            refused(&c, &gw.url, "kubernetes_answer").await >= 1
+        })
+        .await;
+        let peak = common::memory::peak_rss(gw.child.id());
+        eprintln!(
+            "{hostile}: {} KB a page, {} requests, peak RSS {} MB",
+            page.len() >> 10,
+            lists.load(std::sync::atomic::Ordering::Relaxed),
+            peak >> 20
+        );
+        assert!(refusals, "{hostile}: not refused");
+        assert!(peak < 150 << 20, "{hostile}: peak RSS {} MB", peak >> 20);
+        if hostile == "endless_pages" {
+            assert!(lists.load(std::sync::atomic::Ordering::Relaxed) >= 1_000);
+        }
+    }
+}
