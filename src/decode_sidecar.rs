@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use dprouter_gateway::sidecar::{serve, PrefillAllow, SidecarConfig};
+use dprouter_gateway::disagg::sidecar::{serve, SidecarConfig};
+use dprouter_gateway::disagg::trust::PrefillAllow;
 use dprouter_gateway::Backend;
 
 use crate::mock_engine::shutdown_signal;
@@ -46,6 +47,13 @@ pub struct DecodeSidecarArgs {
     /// The largest request body taken, bytes.
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
+    /// Request body bytes held across all requests while they arrive (at least --max-body-bytes; a body past it
+    /// is a 503 at once). Default: 512 MiB, or twice --max-body-bytes if that is more (serve's).
+    #[arg(long)]
+    max_buffered_body_bytes: Option<usize>,
+    /// A request body must arrive whole within this, milliseconds (a 408 otherwise; serve's).
+    #[arg(long, default_value_t = 60_000)]
+    request_body_timeout_ms: u64,
     /// The decode answer's head must come within this of the request's arrival, milliseconds.
     #[arg(long, default_value_t = 300_000)]
     first_byte_timeout_ms: u64,
@@ -80,6 +88,11 @@ pub fn run(args: DecodeSidecarArgs) -> anyhow::Result<ExitCode> {
         prefill_allow: args.prefill_allow,
         api_key,
         max_body_bytes: args.max_body_bytes,
+        max_buffered_body_bytes: args
+            .max_buffered_body_bytes
+            .unwrap_or(dprouter_gateway::config::default_body_budget(args.max_body_bytes))
+            .max(args.max_body_bytes),
+        request_body_timeout: Duration::from_millis(args.request_body_timeout_ms),
         connect_timeout: Duration::from_secs(2),
         first_byte_timeout: first_byte,
         prefill_first_byte_timeout: args
@@ -87,7 +100,7 @@ pub fn run(args: DecodeSidecarArgs) -> anyhow::Result<ExitCode> {
             .map_or(first_byte / 2, |ms| Duration::from_millis(ms).min(first_byte)),
         idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
     };
-    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::common::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await

@@ -27,7 +27,7 @@
 use anyhow::Context;
 use dprouter_bench::{Api, BenchConfig, BenchOutcome, Failure, Routing};
 use dprouter_core::PolicyConfig;
-use dprouter_gateway::flow_config::FlowControlConfig;
+use dprouter_gateway::config::flow::FlowControlConfig;
 use dprouter_gateway::{serve, AppState, GatewayConfig};
 use dprouter_mock_engine::{Engine, EngineConfig};
 use dprouter_sim::{CostModel, SimOutcome, SimRequest, Summary, Workload, WorkloadSpec};

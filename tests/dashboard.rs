@@ -9,14 +9,14 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use common::{client, eventually, get, read, send, Proc};
-use dprouter_gateway::telemetry;
+use dprouter_gateway::observe::telemetry;
 use hyper::StatusCode;
 use serde_json::{json, Value};
 
 const DASHBOARD: &str = include_str!("../deploy/grafana/dprouter.json");
 /// Where the metric names are defined: the gateway's, and tracing's span counters.
 const TELEMETRY_SOURCE: &str = concat!(
-    include_str!("../crates/gateway/src/telemetry.rs"),
+    include_str!("../crates/gateway/src/observe/telemetry.rs"),
     include_str!("../crates/otel/src/queue.rs")
 );
 const HISTOGRAM_SUFFIXES: [&str; 3] = ["_bucket", "_sum", "_count"];

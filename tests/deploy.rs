@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use dprouter_gateway::discovery_config::WorkerTemplate;
+use dprouter_gateway::config::discovery::WorkerTemplate;
 use dprouter_gateway::GatewayConfig;
 use serde_json::Value;
 
@@ -240,7 +240,7 @@ fn the_pickers_deployment_role_and_config_are_what_dprouter_needs() {
     config
         .discovery
         .kubernetes
-        .push(dprouter_gateway::discovery_config::KubernetesSource {
+        .push(dprouter_gateway::config::discovery::KubernetesSource {
             inference_pool: arg(container["args"].as_array().unwrap(), "--inference-pool").map(str::to_string),
             ..Default::default()
         });
@@ -445,7 +445,7 @@ fn each_prefill_decode_pool_is_found_by_its_gateway_in_both_roles() {
 /// (and the prefill Pods, for the KV transfer) reach the decode Pods.
 #[test]
 fn the_decode_sidecar_runs_with_an_allow_list_and_only_the_gateway_reaches_it() {
-    use dprouter_gateway::sidecar::PrefillAllow;
+    use dprouter_gateway::disagg::trust::PrefillAllow;
     let objects = objects();
     let deployment = get(&objects, "Deployment", "vllm-llama-decode-sidecar");
     let template = &deployment["spec"]["template"];

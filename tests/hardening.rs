@@ -243,6 +243,39 @@ async fn the_decode_sidecar_trusts_only_allowed_prefill_endpoints_and_drops_clie
     assert_ne!(decode_json["bootstrap_room"], 5, "{decode_json}");
 }
 
+/// The sidecar reads a body as `serve` does: one trickled a byte a second is cut at the body timeout (a 408).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_decode_sidecar_cuts_a_trickled_body() {
+    let decode = Scripted::start(Act::Json(r#"{"choices": [{"text": "ok"}]}"#)).await;
+    let sidecar = sidecar(&decode, &["--request-body-timeout-ms", "1500"]);
+    let mut socket = TcpStream::connect(sidecar.url.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let head =
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    socket.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    for _ in 0..10 {
+        if socket.write_all(b" ").await.is_err() {
+            break;
+        }
+        let mut buf = [0u8; 4096];
+        match tokio::time::timeout(Duration::from_secs(1), socket.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => {
+                answer.extend_from_slice(&buf[..n]);
+                break;
+            }
+            Ok(_) => break,
+            Err(_) => {}
+        }
+    }
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(decode.posts().is_empty());
+}
+
 /// F6: a client's `kv_transfer_params`, `bootstrap_host`, `bootstrap_port` and `disagg_prefill_dp_rank` never reach
 /// an aggregated engine; its `bootstrap_room` does (`follow_bootstrap_room` routes by it). Counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -220,12 +220,46 @@ fn no_module_of_any_crate_imports_one_that_imports_it_back() {
 fn imports_are_read_from_files_and_folders() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
     let gateway = imports(&root.join("gateway/src"));
-    assert!(gateway["server"].contains("state"), "{gateway:?}");
+    assert!(gateway["api"].contains("state"), "{gateway:?}");
     // A folder is one module: the cache-aware policy's files (under `policy/`) name the core's hashing.
     let core = imports(&root.join("core/src"));
     assert!(core["policy"].contains("hashing"), "{core:?}");
     assert!(!core.contains_key("cache_aware"), "{core:?}");
     assert!(!core.contains_key("lib"), "{core:?}");
+}
+
+/// The gateway's folders (and `state.rs`), lowest first: each may import only those before it
+/// (`crates/gateway/src/lib.rs` says what each holds).
+const GATEWAY_LAYERS: [&str; 13] = [
+    "common",
+    "config",
+    "http",
+    "fleet",
+    "observe",
+    "discovery",
+    "kv_feeds",
+    "admission",
+    "state",
+    "background",
+    "pipeline",
+    "disagg",
+    "api",
+];
+
+#[test]
+fn the_gateways_folders_import_only_those_below_them() {
+    let gateway = imports(&Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/gateway/src"));
+    let listed: BTreeSet<&str> = GATEWAY_LAYERS.iter().copied().collect();
+    let found: BTreeSet<&str> = gateway.keys().map(String::as_str).collect();
+    assert_eq!(found, listed, "crates/gateway/src's entries and GATEWAY_LAYERS differ");
+    let rank = |name: &str| GATEWAY_LAYERS.iter().position(|l| *l == name).unwrap();
+    let mut upward = Vec::new();
+    for (module, names) in &gateway {
+        for name in names.iter().filter(|n| rank(n) > rank(module)) {
+            upward.push(format!("{module} imports {name}"));
+        }
+    }
+    assert!(upward.is_empty(), "imports of a later layer:\n{}", upward.join("\n"));
 }
 
 #[test]

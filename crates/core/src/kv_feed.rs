@@ -5,7 +5,7 @@
 //! last batch applied, whether the next one applies, was seen already, follows a gap, is the first one seen of a
 //! running engine (a join), or comes from a restarted engine (its number went back and its time forward). What to
 //! do about a gap or a join depends on what can reach the engine: the gateway asks the engine's replay endpoint
-//! for the missing batches (`crates/gateway/src/kv_events.rs`); a caller with no replay calls
+//! for the missing batches (`crates/gateway/src/kv_feeds/mod.rs`); a caller with no replay calls
 //! [`Feed::receive_without_replay`], for which a gap makes the endpoint approximate until its next stored blocks,
 //! and a restart empties it. Both use the same [`Feed`]: one decoder, one follower, one set of rules.
 

@@ -17,8 +17,8 @@ pub mod protocol;
 use std::future::Future;
 use std::sync::Arc;
 
-use dprouter_gateway::listener::{self, Protocol};
-use dprouter_gateway::server::{control_router, Background};
+use dprouter_gateway::api::server::{control_router, Background};
+use dprouter_gateway::http::listener::{self, Protocol};
 use dprouter_gateway::AppState;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessorServer, SERVICE_NAME};
 use tokio::net::TcpListener;
@@ -92,7 +92,8 @@ pub async fn run(
         .into_axum_router();
     let config = state.config.server.clone();
     // TLS (mutual with `tls_client_ca_file`) on the gRPC port only: the HTTP side answers probes and scrapes.
-    let tls = dprouter_gateway::tls::acceptor(&config, dprouter_gateway::tls::HTTP2).map_err(std::io::Error::other)?;
+    let tls = dprouter_gateway::http::tls::acceptor(&config, dprouter_gateway::http::tls::HTTP2)
+        .map_err(std::io::Error::other)?;
     let server = listener::run(
         grpc,
         Protocol::Http2,

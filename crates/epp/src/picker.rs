@@ -9,7 +9,7 @@
 //!
 //! The request's headers are held until its body has ended (bounded in size and time as `serve` bounds bodies,
 //! and its bytes in the budget of all bodies arriving at once, `max_buffered_body_bytes`); then the request is
-//! routed exactly as `serve` routes it ([`dprouter_gateway::routing::route`]: the same parser, prompt keys, model
+//! routed exactly as `serve` routes it ([`dprouter_gateway::pipeline::routing::route`]: the same parser, prompt keys, model
 //! checks, policies and ticket), and the replies go out in the order Envoy needs: the headers' (destination, rank
 //! header, cleared route cache), then the body as the chosen endpoint must get it (the client's rank overrides
 //! out, SGLang's `routed_dp_rank` in) in chunks, then the trailers'. The response streams
@@ -23,17 +23,19 @@ use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
-use dprouter_gateway::access::Exchange;
-use dprouter_gateway::body::Feedback;
-use dprouter_gateway::body_budget::Held;
-use dprouter_gateway::clients::Client;
-use dprouter_gateway::error::add_ids;
-use dprouter_gateway::registry::{Failure, Membership, Target};
-use dprouter_gateway::routing::{self, Routed, RANK_HEADER};
-use dprouter_gateway::spans::RequestSpan;
-use dprouter_gateway::trace_context;
-use dprouter_gateway::{legs, sidecar};
-use dprouter_gateway::{proxy, server, ApiError, AppState};
+use dprouter_gateway::admission::body_reader::BodyReader;
+use dprouter_gateway::admission::clients::Client;
+use dprouter_gateway::api::{proxy, server};
+use dprouter_gateway::common::error::add_ids;
+use dprouter_gateway::disagg::{legs, sidecar};
+use dprouter_gateway::fleet::registry::{Membership, Target};
+use dprouter_gateway::observe::access::Exchange;
+use dprouter_gateway::observe::spans::RequestSpan;
+use dprouter_gateway::observe::trace_context;
+use dprouter_gateway::pipeline::body::Feedback;
+use dprouter_gateway::pipeline::outcome::{self, Attempt, Outcome};
+use dprouter_gateway::pipeline::routing::{self, Routed, RANK_HEADER};
+use dprouter_gateway::{ApiError, AppState};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
@@ -141,9 +143,8 @@ struct Arriving {
     client: Option<Arc<Client>>,
     headers: Vec<(String, Vec<u8>)>,
     subset: Option<Vec<Allowed>>,
-    body: Vec<u8>,
-    /// The body's bytes in the budget of all bodies arriving at once.
-    held: Held,
+    /// The body so far, under the size limit and in the budget of all bodies arriving at once.
+    body: BodyReader,
 }
 
 /// Where a stream is. Each phase has a deadline: the request's headers `header_read_timeout_ms` after the stream
@@ -257,7 +258,7 @@ impl Stream {
         }
         let _ = self.trace.span.set(RequestSpan::start(method, route, &parent));
         if let Some(id) = headers
-            .get(dprouter_gateway::names::REQUEST_ID)
+            .get(dprouter_gateway::common::names::REQUEST_ID)
             .and_then(|v| v.to_str().ok())
         {
             let _ = self.trace.request_id.set(id.to_string());
@@ -317,8 +318,7 @@ impl Stream {
                         client,
                         subset: protocol::subset_hint(metadata),
                         headers,
-                        body: Vec::new(),
-                        held: state.bodies.hold(),
+                        body: BodyReader::new(&state.bodies, config.max_body_bytes, None),
                     };
                     if h.end_of_stream {
                         let sent = self.route(arriving, false).await?;
@@ -331,19 +331,7 @@ impl Stream {
                 }
                 (Phase::Open, other) => return Err(out_of_turn(kind(&other), "before the request headers")),
                 (Phase::Body(mut arriving), Message::RequestBody(b)) => {
-                    let limit = config.max_body_bytes;
-                    if arriving.body.len() + b.body.len() > limit {
-                        return Err(End::Answer(ApiError::TooLarge { limit }));
-                    }
-                    // The budget holds the buffer's capacity, grown by doubling up to the limit.
-                    let needed = arriving.body.len() + b.body.len();
-                    if needed > arriving.body.capacity() {
-                        let target = needed.max(2 * arriving.body.capacity()).min(limit);
-                        let more = target.saturating_sub(arriving.held.bytes());
-                        arriving.held.grow(more).map_err(End::Answer)?;
-                        arriving.body.reserve_exact(target - arriving.body.len());
-                    }
-                    arriving.body.extend_from_slice(&b.body);
+                    arriving.body.push(&b.body).map_err(End::Answer)?;
                     if b.end_of_stream {
                         let sent = self.route(arriving, false).await?;
                         deadline = Instant::now() + first_byte;
@@ -362,7 +350,7 @@ impl Stream {
                 (Phase::Body(_), other) => return Err(out_of_turn(kind(&other), "while the request body arrives")),
                 // The body ended: a chunk after its end breaks the protocol (it would reach the engine unrouted).
                 (Phase::Sent(_) | Phase::Response(_), Message::RequestBody(_)) => {
-                    dprouter_gateway::refusals::refused("late_body", || {
+                    dprouter_gateway::observe::refusals::refused("late_body", || {
                         "an ext_proc request body chunk after the body's end refused (INVALID_ARGUMENT)".into()
                     });
                     return Err(out_of_turn("request body", "after the body's end"));
@@ -441,11 +429,8 @@ impl Stream {
                 let label = sent.target.label();
                 tracing::warn!(endpoint = %label, "no response headers within first_byte_timeout_ms");
                 if let Some(routed) = &sent.routed {
-                    let failure = Failure::engine(routed.ticket.pick.branch);
-                    self.picker
-                        .state
-                        .registry
-                        .record_failure(sent.target.id, failure, Instant::now());
+                    let attempt = Attempt::at(&sent.target, Some(routed.ticket.pick.branch));
+                    outcome::record(&self.picker.state.registry, attempt, Outcome::NoHead);
                 }
                 End::Grpc(Status::deadline_exceeded(format!(
                     "ext_proc: no response headers from {label} within first_byte_timeout_ms"
@@ -468,7 +453,6 @@ impl Stream {
             headers,
             subset,
             body,
-            held,
         } = arriving;
         let keyed = client.is_some();
         let state = &self.picker.state;
@@ -482,9 +466,8 @@ impl Stream {
                 "the data plane's subset hint allows no endpoint".into(),
             )));
         }
-        let body = Bytes::from(body);
         // The body is routed (or refused) now: it no longer counts as arriving.
-        drop(held);
+        let body = body.finish();
         if !takes_body {
             let membership = state.registry.membership();
             let rank = least_loaded(&membership, &allowed).ok_or(End::Answer(ApiError::Route(
@@ -601,7 +584,7 @@ impl Stream {
         let believed = served.is_none_or(|a| sent.offered.contains(&a));
         match served {
             Some(served) if believed => self.served_elsewhere(sent, served),
-            Some(served) => dprouter_gateway::refusals::refused("served_elsewhere", || {
+            Some(served) => dprouter_gateway::observe::refusals::refused("served_elsewhere", || {
                 format!(
                     "the data plane says {served} served a request the picker sent to {} (not offered on its stream): \
                      its outcome counts for no endpoint",
@@ -616,19 +599,16 @@ impl Stream {
         let prefill_failed = protocol::header(headers, sidecar::FAILED_LEG_HEADER) == Some("prefill");
         let prefill = sent.routed.as_ref().and_then(|r| {
             let ticket = r.pair.as_ref()?.ticket.as_ref()?;
-            Some((r.prefill_target()?.id, ticket.pick.branch))
+            Some((r.prefill_target()?, ticket.pick.branch))
         });
-        if !believed {
-            // Neither the choice (the data plane says another served) nor the endpoint it names (never offered).
-        } else if status >= 500 {
-            let (id, branch) = match prefill.filter(|_| prefill_failed) {
-                Some((id, branch)) => (id, Some(branch)),
-                None => (sent.target.id, branch),
+        // Not believed: neither the choice (the data plane says another served) nor the endpoint it names (never
+        // offered) is told anything.
+        if believed {
+            let attempt = match prefill.filter(|_| prefill_failed && status >= 500) {
+                Some((target, branch)) => Attempt::at(target, Some(branch)),
+                None => Attempt::at(&sent.target, branch),
             };
-            let failure = branch.map_or(Failure::Engine, Failure::engine);
-            state.registry.record_failure(id, failure, Instant::now());
-        } else if (200..300).contains(&status) {
-            sent.target.state.record_success();
+            outcome::record(&state.registry, attempt, Outcome::Answered(status));
         }
         let sse = protocol::header(headers, "content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
         let mut set = vec![protocol::set_header(protocol::ENDPOINT_HEADER, label.clone())];
@@ -638,7 +618,7 @@ impl Stream {
         let feedback = sent.routed.take().map(|mut routed| {
             let prefill = routed.pair.as_mut().and_then(|pair| pair.ticket.take());
             let exchange = Exchange::new();
-            exchange.routed(dprouter_gateway::access::Routing {
+            exchange.routed(dprouter_gateway::observe::access::Routing {
                 endpoint: label.clone(),
                 rank: sent.target.id.dp_rank,
                 policy: state.policies.default_policy().name(),
@@ -673,10 +653,11 @@ impl Stream {
             return;
         };
         let mut routed = routed;
-        match routed
-            .ticket
-            .reroute(&membership.snapshot, &|r| r == rank, dprouter_gateway::clock::now_us())
-        {
+        match routed.ticket.reroute(
+            &membership.snapshot,
+            &|r| r == rank,
+            dprouter_gateway::common::clock::now_us(),
+        ) {
             Ok(ticket) => {
                 routed.ticket = ticket;
                 sent.target = membership.targets[rank].clone();

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use dprouter_gateway::discovery_config::{DnsSource, WorkerTemplate};
+use dprouter_gateway::config::discovery::{DnsSource, WorkerTemplate};
 use dprouter_gateway::{AppState, Backend, GatewayConfig};
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;

@@ -8,9 +8,9 @@ use std::time::Duration;
 use dprouter_core::{Branch, WorkerId};
 
 use crate::config::{Backend, GatewayConfig, WorkerConfig};
-use crate::policies::Policies;
-use crate::registry::{Admission, Registry};
-use crate::upstream::Upstream;
+use crate::fleet::policies::Policies;
+use crate::fleet::registry::{Admission, Registry};
+use crate::fleet::upstream::Upstream;
 
 pub struct AppState {
     pub config: GatewayConfig,
@@ -21,21 +21,21 @@ pub struct AppState {
     /// TLS on the listener, when the config has a certificate.
     pub tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
     /// The models' tokenizers, for token-exact keys.
-    pub tokenizers: crate::tokens::Tokenizers,
+    pub tokenizers: crate::admission::tokens::Tokenizers,
     /// Each KV event feed's status (precise mode).
-    pub kv_feeds: crate::kv_events::Feeds,
+    pub kv_feeds: crate::kv_feeds::Feeds,
     /// Which endpoint made each of the last Responses answers (for `previous_response_id`).
-    pub responses: Arc<crate::response_homes::ResponseHomes>,
+    pub responses: Arc<crate::common::response_homes::ResponseHomes>,
     /// The clients and their keys and limits (`[[clients]]`).
-    pub clients: crate::clients::Clients,
+    pub clients: crate::admission::clients::Clients,
     /// Flow control's central queue, when it is on (`[flow_control]`).
-    pub flow: Option<Arc<crate::flow::FlowControl>>,
+    pub flow: Option<Arc<crate::admission::flow::FlowControl>>,
     /// Request body bytes held while bodies arrive, across requests (`max_buffered_body_bytes`).
-    pub bodies: Arc<crate::body_budget::BodyBudget>,
+    pub bodies: Arc<crate::admission::body_budget::BodyBudget>,
     /// Fired when the shutdown's drain deadline passes: streams still open end with an error event.
-    pub drain_deadline: crate::drain_deadline::DrainDeadline,
+    pub drain_deadline: crate::common::drain_deadline::DrainDeadline,
     /// Discovery sources that have not delivered and applied their first list yet: the gateway is ready at 0
-    /// ([`crate::discovery`]).
+    /// ([`crate::background::joining`]).
     pub discovery_unsynced: tokio::sync::watch::Sender<usize>,
     /// Routing decisions by branch ([`Branch::index`]) since start (for `GET /workers`).
     decisions: [AtomicU64; Branch::ALL.len()],
@@ -62,7 +62,7 @@ impl AppState {
     pub async fn new(config: GatewayConfig) -> Result<Arc<Self>, StartError> {
         config.validate()?;
         for source in &config.discovery.kubernetes {
-            crate::kubernetes::Api::new(source)
+            crate::discovery::kubernetes::Api::new(source)
                 .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?;
         }
         let state = Arc::new(Self {
@@ -71,16 +71,19 @@ impl AppState {
             upstream: Upstream::new(
                 Duration::from_millis(config.connect_timeout_ms),
                 Duration::from_millis(config.upstream_idle_timeout_ms),
-                crate::tls::client_config(config.upstream_ca_file.as_deref(), "upstream_ca_file")
+                crate::http::tls::client_config(config.upstream_ca_file.as_deref(), "upstream_ca_file")
                     .map_err(StartError::Tls)?,
             ),
-            tls_acceptor: crate::tls::acceptor(&config.server, crate::tls::HTTP1).map_err(StartError::Tls)?,
+            tls_acceptor: crate::http::tls::acceptor(&config.server, crate::http::tls::HTTP1)
+                .map_err(StartError::Tls)?,
             kv_feeds: Default::default(),
-            tokenizers: crate::tokens::Tokenizers::load(&config)
+            tokenizers: crate::admission::tokens::Tokenizers::load(&config)
                 .map_err(|e| StartError::Config(crate::config::ConfigError::Invalid(e)))?,
-            responses: Arc::new(crate::response_homes::ResponseHomes::new(config.remembered_responses)),
-            clients: crate::clients::Clients::new(&config.clients),
-            flow: crate::flow::FlowControl::new(&config.flow_control, {
+            responses: Arc::new(crate::common::response_homes::ResponseHomes::new(
+                config.remembered_responses,
+            )),
+            clients: crate::admission::clients::Clients::new(&config.clients),
+            flow: crate::admission::flow::FlowControl::new(&config.flow_control, {
                 let poll = config.load.poll_interval_ms;
                 if poll > 0 {
                     poll + config.health.timeout_ms
@@ -88,7 +91,7 @@ impl AppState {
                     0
                 }
             }),
-            bodies: crate::body_budget::BodyBudget::new(config.body_budget()),
+            bodies: crate::admission::body_budget::BodyBudget::new(config.body_budget()),
             drain_deadline: Default::default(),
             discovery_unsynced: tokio::sync::watch::Sender::new(config.discovery.sources()),
             decisions: Default::default(),

@@ -1,7 +1,7 @@
 //! A minimal ZMTP 3 peer (ZeroMQ's wire protocol, RFC 23/ZMTP, NULL security) for what the KV event feeds need: a
 //! SUB that reads a publisher's messages, and a DEALER that asks a replay endpoint (a ROUTER) for past batches. It
 //! speaks to libzmq (vLLM's and SGLang's pyzmq) and to the `zeromq` crate (the mock engine) alike. The gateway's
-//! feeds (`crates/gateway/src/kv_events.rs`) and the Python package's, inside an engine (`crates/python`), read
+//! feeds (`crates/gateway/src/kv_feeds/mod.rs`) and the Python package's, inside an engine (`crates/python`), read
 //! publishers through it; [`kv`] holds what both need beyond the wire protocol.
 //!
 //! Unlike a general ZMQ library it bounds every byte a peer sends before it allocates it: a frame or a message

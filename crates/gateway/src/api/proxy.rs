@@ -1,0 +1,163 @@
+//! The data path: parse once, route, target the rank, forward, stream the answer back.
+//!
+//! Cost per request: one validating pass over the body that parses only the routing fields
+//! ([`dprouter_core::request_body`]; bodies over 1 MiB on the blocking pool), one routing decision, and the
+//! client's own bytes forwarded as slices (the client's rank override members left out, SGLang's rank member
+//! added), then a streaming copy of the response without buffering. The body is held once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use dprouter_core::WorkerId;
+
+use crate::common::error::ApiError;
+use crate::observe::access::Routing;
+use crate::observe::spans::RequestSpan;
+use crate::pipeline::body::Timing;
+use crate::pipeline::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
+use crate::state::AppState;
+
+pub use crate::pipeline::routing::RANK_HEADER;
+
+/// `POST /v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/embeddings`, `/generate`.
+pub async fn generate(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let received = Instant::now();
+    match forward(&state, request, received).await {
+        Ok(response) => response,
+        Err(err) => err.into_response(),
+    }
+}
+
+async fn read_body(state: &AppState, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    crate::pipeline::routing::check_content_type(headers)?;
+    let timeout = Duration::from_millis(state.config.server.request_body_timeout_ms);
+    crate::admission::body_reader::read(&state.bodies, state.config.max_body_bytes, timeout, headers, body).await
+}
+
+/// The path and query the worker gets: the client's, with `/v1` put in front of the OpenAI paths a client sent
+/// without it (`/chat/completions`, `/completions`, `/responses`), which not every engine serves.
+fn upstream_path(uri: &axum::http::Uri) -> String {
+    let path_and_query = uri.path_and_query().map_or(uri.path(), |p| p.as_str());
+    match uri.path() {
+        "/chat/completions" | "/completions" | "/responses" => format!("/v1{path_and_query}"),
+        _ => path_and_query.to_string(),
+    }
+}
+
+async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let path_and_query = upstream_path(&parts.uri);
+    // Who calls, before its body is read: an unknown client's body is never held.
+    let client = state.clients.admit(&parts.headers)?;
+    let bytes = read_body(state, &parts.headers, body).await?;
+    let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
+    let route = (path_and_query.as_str(), &parts.headers);
+    let mut routed = crate::pipeline::routing::route(state, route, bytes, client, &|_| true).await?;
+    let membership = Arc::clone(&routed.membership);
+    let span = parts
+        .extensions
+        .get::<RequestSpan>()
+        .cloned()
+        .unwrap_or_else(RequestSpan::none);
+    if routed.pair.is_some() {
+        let timing = Timing {
+            received,
+            first_byte: tokio::time::Instant::now() + first_byte_timeout,
+            idle: Duration::from_millis(state.config.stream_idle_timeout_ms),
+        };
+        return crate::disagg::legs::forward(
+            state,
+            &parts.headers,
+            &path_and_query,
+            routed,
+            span,
+            timing,
+            first_byte_timeout,
+        )
+        .await;
+    }
+    // Workers that refused this request's connection.
+    let mut refused: Vec<WorkerId> = Vec::new();
+    loop {
+        let target = &membership.targets[routed.ticket.pick.rank];
+        let branch = routed.ticket.pick.branch;
+        let label = target.label();
+        let attempt = span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+        let upstream = upstream_request(&routed, target, &path_and_query, &parts.headers, attempt.traceparent())?;
+        let timing = Timing {
+            received,
+            first_byte: tokio::time::Instant::now() + first_byte_timeout,
+            idle: Duration::from_millis(state.config.stream_idle_timeout_ms),
+        };
+        let sent = tokio::time::timeout_at(timing.first_byte, state.upstream.send(upstream)).await;
+        let Ok(sent) = sent else {
+            return Err(no_head(state, target, branch, &attempt, first_byte_timeout));
+        };
+        match sent {
+            Ok(response) => {
+                let status = response.status();
+                answered(state, target, branch, &attempt, status.as_u16());
+                let remember = routed.remember(status.as_u16());
+                let routing = Routing {
+                    endpoint: label,
+                    rank: target.id.dp_rank,
+                    policy: state.policies.default_policy().name(),
+                    branch: branch.as_str(),
+                    model: routed.served.clone().or(routed.model.clone()),
+                    retries: refused.len() as u32,
+                };
+                let answer = Answer {
+                    response,
+                    routing,
+                    attempt,
+                    timing,
+                    remember,
+                    prefill: None,
+                };
+                return Ok(relay(state, answer, routed.ticket, target));
+            }
+            Err(err) => {
+                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
+                // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
+                // policy forgets that the prompt went there.
+                refused.push(target.id.worker);
+                let served = routed.served.as_deref();
+                let accept = |rank: usize| {
+                    let t = &membership.targets[rank];
+                    served.is_none_or(|m| t.serves(m)) && !refused.contains(&t.id.worker)
+                };
+                routed.ticket = routed
+                    .ticket
+                    .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())?;
+                crate::pipeline::routing::count_decision(state, routed.ticket.pick.branch);
+            }
+        }
+    }
+}
+
+/// The client's header that asks for a shorter first-byte timeout than the configured one.
+pub const FIRST_BYTE_TIMEOUT_HEADER: &str = "x-dprouter-first-byte-timeout-ms";
+
+/// How long to wait for the engine's response head: the configured bound, or less if the client asks.
+pub fn first_byte_timeout(state: &AppState, headers: &HeaderMap) -> Result<Duration, ApiError> {
+    let configured = state.config.first_byte_timeout_ms;
+    let asked = match headers.get(FIRST_BYTE_TIMEOUT_HEADER) {
+        None => configured,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|&ms| ms > 0)
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!(
+                    "{FIRST_BYTE_TIMEOUT_HEADER} must be a positive number of milliseconds"
+                ))
+            })?,
+    };
+    Ok(Duration::from_millis(asked.min(configured)))
+}

@@ -1,0 +1,631 @@
+//! A disaggregated request's two legs ([`crate::pipeline::pairing`]). SGLang's way: the prefill and the decode server get
+//! the same body at once, each with the bootstrap room that pairs them, and the client gets the decode server's
+//! answer. vLLM's way ([`PrefillFirst`]): the prefill leg first, to its end, then the decode leg with the
+//! `kv_transfer_params` of the prefill answer; a prefill leg that fails on the server's side leaves the decode
+//! server to prefill the prompt itself.
+//!
+//! The prefill leg runs in a task of its own ([`PrefillLeg`]) holding the prefill ticket: its first byte releases
+//! the prefill endpoint's queued-prefill share, its usage report (the prompt tokens the prefill server had cached)
+//! teaches the prefill policy, and its end releases the endpoint's in-flight count. Its outcome is watched by
+//! whatever waits on the decode leg: the response head first, then the body relayed to the client
+//! ([`crate::pipeline::body::GuardedBody::watching`]). Either leg failing ends the other:
+//! - the prefill leg fails before the decode leg answers: the decode request is dropped (its connection closes,
+//!   which aborts it at the engine) and the client gets the prefill's 4xx as it came, or a 502/504 that names the
+//!   prefill endpoint;
+//! - the prefill leg fails while the decode answer streams: the stream ends with an error event (a body that is
+//!   not a stream breaks);
+//! - the decode leg fails, or the client goes away: the prefill task is aborted, closing its connection.
+//!
+//! A connection refused on either leg is retried (at most `retries` times, never for a pinned leg) before any byte
+//! reached the client: a refused prefill leg on another prefill endpoint with a new room (the decode request
+//! waiting for the old room is dropped and sent again), a refused decode leg on another decode endpoint with the
+//! same room (the prefill server still holds the room's KV cache for whichever decode server asks for it).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use dprouter_core::{Branch, UsageScanner, WorkerId};
+use http_body_util::BodyExt;
+use tokio::task::JoinHandle;
+
+use crate::common::error::ApiError;
+use crate::config::{Backend, Role};
+use crate::fleet::registry::Target;
+use crate::observe::access::Routing;
+use crate::observe::spans::{AttemptSpan, RequestSpan};
+use crate::observe::telemetry;
+use crate::pipeline::body::{GatewayTicket, Timing, Watch};
+use crate::pipeline::outcome::{record, Attempt, Outcome};
+use crate::pipeline::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
+use crate::pipeline::routing::Routed;
+use crate::state::AppState;
+
+/// The most of a prefill server's error answer kept, to hand to the client.
+const MAX_ERROR_BYTES: usize = 64 << 10;
+
+/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params` (one token's answer is a few KiB).
+const MAX_KEPT_BYTES: usize = 1 << 20;
+
+/// How a prefill leg failed.
+pub enum LegFailure {
+    /// Its connection was refused: the server never got the request. The ticket comes back, to route again.
+    Refused(Box<GatewayTicket>, String),
+    /// The server answered with an error status (its body, at most [`MAX_ERROR_BYTES`]).
+    Status { status: u16, body: Bytes },
+    /// No answer in time, or an answer that stalled.
+    Timeout(String),
+    /// The exchange broke.
+    Broken(String),
+}
+
+impl LegFailure {
+    /// What a client whose answer had begun is told.
+    fn message(&self, endpoint: &str) -> String {
+        match self {
+            LegFailure::Refused(_, m) => format!("the prefill leg at {endpoint} could not connect: {m}"),
+            LegFailure::Status { status, body } => format!(
+                "the prefill leg at {endpoint} answered {status}: {}",
+                String::from_utf8_lossy(body).trim()
+            ),
+            LegFailure::Timeout(m) => format!("the prefill leg at {endpoint} timed out: {m}"),
+            LegFailure::Broken(m) => format!("the prefill leg at {endpoint} failed: {m}"),
+        }
+    }
+}
+
+/// The prefill leg of one attempt, run by [`PrefillLeg::run`].
+struct PrefillLeg {
+    ticket: GatewayTicket,
+    target: Target,
+    state: Arc<AppState>,
+    attempt: AttemptSpan,
+    timing: Timing,
+    /// Fires when the decode answer's first byte came: the prefill is over, whether or not its own answer has
+    /// begun, and its queued-prefill share is released (else a conversation's next turn could find its prefill
+    /// endpoint still counted busy and be sent elsewhere).
+    decode_started: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl PrefillLeg {
+    /// Sends the leg and reads its answer to the end; returns the answer's first [`MAX_KEPT_BYTES`] when `keep`.
+    async fn run(
+        mut self,
+        request: hyper::Request<crate::fleet::upstream::Chunks>,
+        keep: bool,
+    ) -> Result<Option<Bytes>, LegFailure> {
+        let branch = self.ticket.pick.branch;
+        let (registry, target) = (Arc::clone(&self.state.registry), self.target.clone());
+        let outcome = |outcome| record(&registry, Attempt::at(&target, Some(branch)), outcome);
+        let upstream = self.state.upstream.clone();
+        let send = tokio::time::timeout_at(self.timing.first_byte, upstream.send(request));
+        tokio::pin!(send);
+        let sent = loop {
+            let Some(started) = self.decode_started.as_mut() else {
+                break send.as_mut().await;
+            };
+            tokio::select! {
+                sent = send.as_mut() => break sent,
+                _ = started => {
+                    self.decode_started = None;
+                    self.ticket.first_token(crate::common::clock::now_us());
+                }
+            }
+        };
+        let response = match sent {
+            Err(_) => {
+                self.attempt.failed("no response head in time");
+                outcome(Outcome::NoHead);
+                return Err(LegFailure::Timeout("no response head in time".into()));
+            }
+            Ok(Err(err)) => {
+                let message = crate::fleet::upstream::error_chain(&err);
+                self.attempt.failed(&message);
+                outcome(Outcome::Failed {
+                    connect: err.is_connect(),
+                });
+                if err.is_connect() {
+                    return Err(LegFailure::Refused(Box::new(self.ticket), message));
+                }
+                return Err(LegFailure::Broken(message));
+            }
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        self.attempt.answered(status.as_u16());
+        outcome(Outcome::Answered(status.as_u16()));
+        if !status.is_success() {
+            let body = read_bounded(response.into_body(), self.timing.idle).await;
+            return Err(LegFailure::Status {
+                status: status.as_u16(),
+                body,
+            });
+        }
+        let sse = response
+            .headers()
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        let mut scanner = UsageScanner::new(sse);
+        let mut body = response.into_body();
+        let mut first = true;
+        let mut kept = keep.then(Vec::new);
+        loop {
+            let next = tokio::time::timeout(self.timing.idle, body.frame());
+            let next = match self.decode_started.as_mut() {
+                None => next.await,
+                Some(started) => tokio::select! {
+                    next = next => next,
+                    _ = started => {
+                        self.decode_started = None;
+                        self.ticket.first_token(crate::common::clock::now_us());
+                        continue;
+                    }
+                },
+            };
+            let frame = match next {
+                Err(_) => {
+                    outcome(Outcome::Cut { stalled: true });
+                    return Err(LegFailure::Timeout("its answer stalled".into()));
+                }
+                Ok(None) => break,
+                Ok(Some(Err(err))) => {
+                    outcome(Outcome::Cut { stalled: false });
+                    return Err(LegFailure::Broken(format!("its answer broke: {err}")));
+                }
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let Ok(data) = frame.into_data() else { continue };
+            if first && !data.is_empty() {
+                first = false;
+                // The prefill is over: the endpoint's next queued request begins its prefill.
+                self.ticket.first_token(crate::common::clock::now_us());
+            }
+            if let Some(usage) = scanner.feed(&data) {
+                self.report(usage);
+            }
+            if let Some(kept) = kept.as_mut() {
+                let room = MAX_KEPT_BYTES.saturating_sub(kept.len());
+                kept.extend_from_slice(&data[..data.len().min(room)]);
+            }
+        }
+        if let Some(usage) = scanner.finish() {
+            self.report(usage);
+        }
+        Ok(kept.map(Bytes::from))
+    }
+
+    /// The prefill server's usage report: how much of the prompt it had cached teaches the prefill policy.
+    fn report(&mut self, usage: dprouter_core::Usage) {
+        let label = self.target.label();
+        metrics::counter!(telemetry::PROMPT_TOKENS, "endpoint" => label.clone()).increment(usage.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_TOKENS, "endpoint" => label).increment(usage.cached_tokens);
+        self.ticket.usage(usage);
+    }
+}
+
+/// Reads at most [`MAX_ERROR_BYTES`] of an error answer, each frame within `idle`.
+async fn read_bounded(mut body: hyper::body::Incoming, idle: Duration) -> Bytes {
+    let mut out = Vec::new();
+    while out.len() < MAX_ERROR_BYTES {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    let room = MAX_ERROR_BYTES - out.len();
+                    out.extend_from_slice(&data[..data.len().min(room)]);
+                }
+            }
+            _ => break,
+        }
+    }
+    Bytes::from(out)
+}
+
+/// How long a prefill leg may go on after the decode answer the client got has ended. By then the prefill is long
+/// over (the decode server's first token came after it): what is left of its answer is a few bytes and a usage
+/// report, which 5 s covers on a slow link; a leg still open then has stalled, and would hold its endpoint in
+/// flight until `stream_idle_timeout_ms`.
+pub const DETACHED_PREFILL_GRACE: Duration = Duration::from_secs(5);
+
+/// A running prefill leg, watched from the decode side: dropped before the leg ended, it aborts it.
+pub struct PrefillWatch {
+    handle: JoinHandle<Result<(), LegFailure>>,
+    label: String,
+    /// Tells the leg the decode answer began.
+    decode_started: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The answer the client got ended whole: the leg may finish its own (its usage report still teaches the
+    /// prefill policy) rather than be aborted.
+    detached: bool,
+}
+
+impl Watch for PrefillWatch {
+    fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>> {
+        Pin::new(&mut self.handle).poll(cx).map(|joined| match joined {
+            Ok(Ok(())) => None,
+            Ok(Err(failure)) => Some(failure.message(&self.label)),
+            Err(e) => Some(format!("the prefill leg at {} ended: {e}", self.label)),
+        })
+    }
+
+    fn detach(&mut self) {
+        if self.detached || self.handle.is_finished() {
+            self.detached = true;
+            return;
+        }
+        self.detached = true;
+        // The leg may finish its answer (a few events and its usage report), not hold its endpoint's in-flight
+        // count for a stalled stream's idle timeout.
+        let leg = self.handle.abort_handle();
+        let label = self.label.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(DETACHED_PREFILL_GRACE).await;
+            if !leg.is_finished() {
+                leg.abort();
+                crate::observe::refusals::refused("prefill_leg_cut", || {
+                    format!(
+                        "the prefill leg at {label} was still answering {DETACHED_PREFILL_GRACE:?} after the decode \
+                         answer ended: cut"
+                    )
+                });
+            }
+        });
+    }
+
+    fn answer_started(&mut self) {
+        if let Some(started) = self.decode_started.take() {
+            let _ = started.send(());
+        }
+    }
+}
+
+impl Drop for PrefillWatch {
+    fn drop(&mut self) {
+        if !self.detached {
+            self.handle.abort();
+        }
+    }
+}
+
+/// What ended the wait for the decode leg's response head.
+enum Waited {
+    Decode(Result<Result<hyper::Response<hyper::body::Incoming>, crate::fleet::upstream::UpstreamError>, ()>),
+    Prefill(LegFailure),
+}
+
+/// Forwards a disaggregated request (`routed.pair` is set): both legs, retries on refused connections, and the
+/// decode leg's answer relayed with the prefill leg watched.
+pub async fn forward(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    path_and_query: &str,
+    mut routed: Routed,
+    span: RequestSpan,
+    timing: Timing,
+    first_byte_timeout: Duration,
+) -> Result<Response, ApiError> {
+    let membership = Arc::clone(&routed.membership);
+    let mut refused: Vec<WorkerId> = Vec::new();
+    let mut running: Option<PrefillWatch> = None;
+    let prefill_budget = state.config.disaggregation.prefill_first_byte(first_byte_timeout);
+    if routed.prefill_target().is_some_and(|t| t.backend == Backend::Vllm) {
+        let step = PrefillFirst {
+            state,
+            headers,
+            path_and_query,
+            span: &span,
+            timing: prefill_timing(timing, prefill_budget),
+        };
+        if let Some(answer) = step.run(&mut routed, &mut refused).await? {
+            return Ok(answer);
+        }
+    }
+    loop {
+        let attempt_no = refused.len() as u32 + 1;
+        let Some(pair) = routed.pair.as_mut() else {
+            return Err(ApiError::Unavailable(
+                "a disaggregated request lost its prefill leg".into(),
+            ));
+        };
+        let prefill_target = membership.targets[pair.rank].clone();
+        let prefill_label = prefill_target.label();
+        // A prefill leg not sent yet (or picked again): sent now, beside the decode leg.
+        if let Some(ticket) = pair.ticket.take() {
+            let attempt = span.attempt(&prefill_label, prefill_target.id.dp_rank, attempt_no);
+            let request = upstream_request(&routed, &prefill_target, path_and_query, headers, attempt.traceparent())?;
+            let (started, decode_started) = tokio::sync::oneshot::channel();
+            let leg = PrefillLeg {
+                ticket,
+                target: prefill_target.clone(),
+                state: Arc::clone(state),
+                attempt,
+                timing: prefill_timing(timing, prefill_budget),
+                decode_started: Some(decode_started),
+            };
+            running = Some(PrefillWatch {
+                handle: tokio::spawn(async move { leg.run(request, false).await.map(|_| ()) }),
+                label: prefill_label.clone(),
+                decode_started: Some(started),
+                detached: false,
+            });
+        }
+        let target = &membership.targets[routed.ticket.pick.rank];
+        let branch = routed.ticket.pick.branch;
+        let label = target.label();
+        let attempt = span.attempt(&label, target.id.dp_rank, attempt_no);
+        let request = upstream_request(&routed, target, path_and_query, headers, attempt.traceparent())?;
+        let send = tokio::time::timeout_at(timing.first_byte, state.upstream.send(request));
+        tokio::pin!(send);
+        let outcome = loop {
+            let Some(watch) = running.as_mut() else {
+                break Waited::Decode(send.as_mut().await.map_err(|_| ()));
+            };
+            tokio::select! {
+                sent = send.as_mut() => break Waited::Decode(sent.map_err(|_| ())),
+                ended = &mut watch.handle => match ended {
+                    Ok(Ok(())) => {
+                        // The prefill is done; the decode answer comes next.
+                        watch.detach();
+                        running = None;
+                    }
+                    Ok(Err(failure)) => break Waited::Prefill(failure),
+                    Err(e) => break Waited::Prefill(LegFailure::Broken(e.to_string())),
+                },
+            }
+        };
+        match outcome {
+            Waited::Prefill(failure) => {
+                running = None;
+                // The decode request waits for a room that will never be ready: dropped, it is aborted.
+                attempt.failed("its prefill leg failed");
+                match failure {
+                    LegFailure::Refused(ticket, message) => {
+                        let pinned = ticket.pick.branch == Branch::Override;
+                        if pinned || refused.len() >= state.config.retries as usize {
+                            return Err(ApiError::Upstream {
+                                endpoint: prefill_label,
+                                message,
+                            });
+                        }
+                        metrics::counter!(telemetry::RETRIES).increment(1);
+                        refused.push(prefill_target.id.worker);
+                        let accept = |rank: usize| {
+                            let t = &membership.targets[rank];
+                            t.role == Role::Prefill && routed.serving(rank) && !refused.contains(&t.id.worker)
+                        };
+                        let ticket = (*ticket)
+                            .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())
+                            .map_err(|e| no_prefill(e, &message))?;
+                        crate::pipeline::routing::count_decision(state, ticket.pick.branch);
+                        pair_again(&mut routed, ticket);
+                        continue;
+                    }
+                    LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                        // The request's own fault: the client gets the prefill server's answer as it came.
+                        return Ok(client_error(status, body));
+                    }
+                    LegFailure::Timeout(_) => {
+                        return Err(ApiError::UpstreamTimeout {
+                            endpoint: prefill_label,
+                            after_ms: prefill_budget.as_millis() as u64,
+                        })
+                    }
+                    failure => {
+                        return Err(ApiError::Upstream {
+                            message: failure.message(&prefill_label),
+                            endpoint: prefill_label,
+                        })
+                    }
+                }
+            }
+            Waited::Decode(Err(())) => {
+                return Err(no_head(state, target, branch, &attempt, first_byte_timeout));
+            }
+            Waited::Decode(Ok(Ok(response))) => {
+                let status = response.status();
+                answered(state, target, branch, &attempt, status.as_u16());
+                if !status.is_success() {
+                    // No decode server will fetch the room: the prefill leg ends now.
+                    running = None;
+                }
+                let routing = Routing {
+                    endpoint: label,
+                    rank: target.id.dp_rank,
+                    policy: state.policies.role_default(Role::Decode).name(),
+                    branch: branch.as_str(),
+                    model: routed.served.clone().or(routed.model.clone()),
+                    retries: refused.len() as u32,
+                };
+                let answer = Answer {
+                    response,
+                    routing,
+                    attempt,
+                    timing,
+                    remember: routed.remember(status.as_u16()),
+                    prefill: running.map(|watch| Box::new(watch) as Box<dyn Watch>),
+                };
+                let mut out = relay(state, answer, routed.ticket, target);
+                if let Ok(v) = axum::http::HeaderValue::from_str(&prefill_label) {
+                    out.headers_mut().insert(PREFILL_ENDPOINT_HEADER, v);
+                }
+                return Ok(out);
+            }
+            Waited::Decode(Ok(Err(err))) => {
+                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
+                // The prefill leg goes on: the new decode endpoint fetches the same room.
+                refused.push(target.id.worker);
+                let served = routed.served.clone();
+                let accept = |rank: usize| {
+                    let t = &membership.targets[rank];
+                    t.role == Role::Decode
+                        && served.as_deref().is_none_or(|m| t.serves(m))
+                        && !refused.contains(&t.id.worker)
+                };
+                routed.ticket = routed
+                    .ticket
+                    .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())?;
+                crate::pipeline::routing::count_decision(state, routed.ticket.pick.branch);
+            }
+        }
+    }
+}
+
+/// A prefill leg's timing: its response head within `budget` from now, and never after the request's deadline
+/// (`[disaggregation] prefill_first_byte_timeout_ms`): a prefill server that never answers is found out, and
+/// blamed, while the decode leg still has time.
+fn prefill_timing(request: Timing, budget: Duration) -> Timing {
+    Timing {
+        first_byte: request.first_byte.min(tokio::time::Instant::now() + budget),
+        ..request
+    }
+}
+
+/// vLLM's way: the prefill leg first, to its end; its answer's `kv_transfer_params` then go to the decode leg
+/// ([`forward`] sends it). A prefill leg that fails on the server's side (5xx, a broken or late answer, no prefill
+/// endpoint left after refused connections) leaves the decode server to prefill the prompt itself, as llm-d does;
+/// its 4xx goes to the client as it came.
+struct PrefillFirst<'a> {
+    state: &'a Arc<AppState>,
+    headers: &'a HeaderMap,
+    path_and_query: &'a str,
+    span: &'a RequestSpan,
+    timing: Timing,
+}
+
+impl PrefillFirst<'_> {
+    /// Runs the prefill leg; `Some(answer)` is the client's answer already (a prefill 4xx).
+    async fn run(self, routed: &mut Routed, refused: &mut Vec<WorkerId>) -> Result<Option<Response>, ApiError> {
+        let membership = Arc::clone(&routed.membership);
+        loop {
+            let Some(pair) = routed.pair.as_mut() else {
+                return Ok(None);
+            };
+            let Some(ticket) = pair.ticket.take() else {
+                return Ok(None);
+            };
+            let target = membership.targets[pair.rank].clone();
+            let label = target.label();
+            let attempt = self.span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+            let request = upstream_request(
+                routed,
+                &target,
+                self.path_and_query,
+                self.headers,
+                attempt.traceparent(),
+            )?;
+            let leg = PrefillLeg {
+                ticket,
+                target: target.clone(),
+                state: Arc::clone(self.state),
+                attempt,
+                timing: self.timing,
+                // vLLM's decode leg starts after this one ends.
+                decode_started: None,
+            };
+            let failure = match leg.run(request, true).await {
+                Ok(answer) => {
+                    let params = answer.as_deref().and_then(kv_transfer_params);
+                    if params.is_none() {
+                        // An answer that ended before its one token (an end-of-sequence first token) names no KV:
+                        // the decode server prefills.
+                        tracing::debug!(endpoint = %label, "the prefill answer has no kv_transfer_params");
+                    }
+                    if let Some(pair) = routed.pair.as_mut() {
+                        pair.kv_transfer_params = params;
+                    }
+                    return Ok(None);
+                }
+                Err(failure) => failure,
+            };
+            match failure {
+                LegFailure::Refused(ticket, message) if ticket.pick.branch != Branch::Override => {
+                    if refused.len() < self.state.config.retries as usize {
+                        metrics::counter!(telemetry::RETRIES).increment(1);
+                        refused.push(target.id.worker);
+                        let served = routed.served.clone();
+                        let accept = |rank: usize| {
+                            let t = &membership.targets[rank];
+                            t.role == Role::Prefill
+                                && served.as_deref().is_none_or(|m| t.serves(m))
+                                && !refused.contains(&t.id.worker)
+                        };
+                        if let Ok(ticket) =
+                            (*ticket).reroute(&membership.snapshot, &accept, crate::common::clock::now_us())
+                        {
+                            crate::pipeline::routing::count_decision(self.state, ticket.pick.branch);
+                            pair_again(routed, ticket);
+                            continue;
+                        }
+                    }
+                    decode_alone(&label, &message);
+                }
+                LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                    return Ok(Some(client_error(status, body)));
+                }
+                failure => decode_alone(&label, &failure.message(&label)),
+            }
+            return Ok(None);
+        }
+    }
+}
+
+/// A vLLM prefill leg failed on the server's side (counted in `dprouter_upstream_errors_total` by its leg): the
+/// decode server prefills the prompt itself.
+fn decode_alone(endpoint: &str, why: &str) {
+    tracing::warn!(endpoint, "{why}: the decode server prefills the prompt itself");
+}
+
+/// The `kv_transfer_params` of a vLLM answer, as JSON, when it has any.
+pub(crate) fn kv_transfer_params(answer: &[u8]) -> Option<Bytes> {
+    #[derive(serde::Deserialize)]
+    struct Answer {
+        kv_transfer_params: Option<serde_json::Value>,
+    }
+    let params = serde_json::from_slice::<Answer>(answer).ok()?.kv_transfer_params?;
+    (!params.is_null()).then(|| Bytes::from(params.to_string()))
+}
+
+/// The response header that names a disaggregated request's prefill endpoint (beside `x-dprouter-endpoint`, the
+/// decode endpoint's).
+pub const PREFILL_ENDPOINT_HEADER: &str = "x-dprouter-prefill-endpoint";
+
+/// A prefill endpoint could not be found again after a refused connection.
+fn no_prefill(e: dprouter_core::RouteError, refused: &str) -> ApiError {
+    match e {
+        dprouter_core::RouteError::NoHealthyEndpoint => ApiError::Unavailable(format!(
+            "no other healthy prefill endpoint (the last one refused: {refused})"
+        )),
+        other => other.into(),
+    }
+}
+
+/// The pair's prefill leg is `ticket` now, with a fresh room for its rank.
+fn pair_again(routed: &mut Routed, ticket: GatewayTicket) {
+    let room = crate::pipeline::pairing::room_of(&routed.membership, &ticket);
+    if let Some(pair) = routed.pair.as_mut() {
+        pair.rank = ticket.pick.rank;
+        pair.room = room;
+        pair.ticket = Some(ticket);
+    }
+}
+
+/// A prefill server's 4xx, as it came (a JSON body, or the gateway's own error body around its text).
+pub(crate) fn client_error(status: u16, body: Bytes) -> Response {
+    let status = axum::http::StatusCode::from_u16(status).unwrap_or(axum::http::StatusCode::BAD_REQUEST);
+    if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
+        let mut out = (status, body).into_response();
+        out.headers_mut().insert(
+            axum::http::header::CONTENT_TYPE,
+            axum::http::HeaderValue::from_static("application/json"),
+        );
+        return out;
+    }
+    let message = String::from_utf8_lossy(&body).trim().to_string();
+    let body =
+        serde_json::json!({"error": {"message": message, "type": "invalid_request_error", "code": status.as_u16()}});
+    (status, axum::Json(body)).into_response()
+}

@@ -1,0 +1,680 @@
+//! `dprouter decode-sidecar`: a disaggregated request's prefill leg, run beside its decode server, for a picker
+//! behind a data plane (`dprouter epp` behind Envoy, or llm-d's EPP). The picker sends each request to the decode
+//! pod, whose address is this sidecar's, and names the prefill endpoint in `x-prefiller-host-port` (the header
+//! llm-d's EPP sets for its routing sidecar); the sidecar runs both legs as `serve` runs them ([`crate::disagg::legs`]):
+//!
+//! - SGLang: the same body to the prefill server and to the decode server at once, paired by a bootstrap room.
+//!   dprouter's picker chose the room already (its residue names the prefill rank) and put the bootstrap fields and
+//!   `disagg_prefill_dp_rank` in the body: the decode leg gets the body as it came, the prefill leg the same
+//!   bootstrap fields and its rank as `routed_dp_rank`. A body without a room (another picker's) gets a fresh one,
+//!   the prefill server's address as `bootstrap_host` and `--bootstrap-port`, as llm-d's sidecar does.
+//! - vLLM: the prefill leg first (`kv_transfer_params` asking for a remote decode, one token, not streamed; on the
+//!   rank in `x-dprouter-prefill-dp-rank` when the picker names one), then the decode leg with the prefill answer's
+//!   `kv_transfer_params`. A prefill that fails on the server's side, or answers without them, leaves the decode
+//!   server to prefill the prompt itself; a prefill 4xx goes to the client as it came.
+//!
+//! A request without the header, and every other route (health, load, metrics, models), goes to the decode server
+//! as it came: the picker probes the decode pod through the sidecar.
+//!
+//! Either leg failing ends the other: a prefill leg that fails before the decode answer's head drops the decode
+//! request (its connection closes, which aborts it at the engine) and the client gets the prefill's 4xx as it came,
+//! or a 502/504 that names the prefill endpoint; one that fails while the decode answer streams ends the stream
+//! with an error event; the decode answer's end, or the client going away, aborts the prefill leg.
+//!
+//! What the sidecar trusts, since whoever reaches its port can send it anything:
+//! - **Prefill targets**: only those the operator allows (`--prefill-allow`: addresses, IPs or CIDRs; default
+//!   none, said at start). A request naming another is refused (403) before any byte leaves.
+//! - **Pairing fields**: SGLang's bootstrap fields are kept only when they name the allowed prefill endpoint the
+//!   header names (as dprouter's picker sets them); otherwise the request gets a fresh room. A client's
+//!   `kv_transfer_params`, `bootstrap_*` and `disagg_prefill_dp_rank` never reach an engine otherwise: they are
+//!   dropped from every other POST body too (a body that is not a JSON object is refused).
+//! - **Secrets**: a request's `Authorization`, `X-Api-Key`, `Proxy-Authorization` and `Cookie` go to no engine;
+//!   the legs carry the sidecar's own engine key (`--api-key-file`) when it has one.
+//! - **Reflected errors**: a prefill server's error answer is passed to the client clipped to
+//!   [`MAX_REFLECTED_BYTES`].
+//!
+//! Each refusal is counted in `dprouter_refused_input_total` and logged, at most every few seconds.
+//!
+//! The prefill leg has its own deadline for its response head (`--prefill-first-byte-timeout-ms`, by default half
+//! of the request's), so that a prefill server that never answers is named in the client's 504, and under vLLM the
+//! decode server prefills the prompt itself in the time left.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use dprouter_core::request_body::{parse_body, Layout, MemberKind};
+
+use crate::pipeline::routing::laid_out;
+use dprouter_core::{Framing, UsageScanner};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming};
+use serde_json::value::RawValue;
+use tokio::task::JoinHandle;
+
+use crate::admission::body_budget::BodyBudget;
+use crate::common::error::ApiError;
+use crate::config::Backend;
+use crate::disagg::trust::{names_ip, without_pairing_fields, PrefillAllow, MAX_REFLECTED_BYTES, SECRET_HEADERS};
+use crate::fleet::upstream::{error_chain, Chunks, Upstream};
+
+/// The header that names a request's prefill endpoint, `ip:port` (llm-d's; a list takes its first).
+pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
+/// The name llm-d's sidecar read before, still read when the other is absent.
+pub const OLD_PREFILLER_HEADER: &str = "x-llm-d-prefiller-host-port";
+/// The prefill endpoint's DP rank, which dprouter's picker names for a vLLM prefill leg.
+pub const PREFILL_RANK_HEADER: &str = "x-dprouter-prefill-dp-rank";
+/// Every header that steers the prefill leg: a picker never passes a client's copy on.
+pub const PREFILL_HEADERS: [&str; 3] = [PREFILLER_HEADER, OLD_PREFILLER_HEADER, PREFILL_RANK_HEADER];
+
+/// The response header that says the answer is the prefill leg's failure (value `prefill`), so that a picker
+/// counts it against the prefill endpoint rather than the decode one.
+pub const FAILED_LEG_HEADER: &str = "x-dprouter-failed-leg";
+
+/// The rank header vLLM reads.
+const RANK_HEADER: HeaderName = HeaderName::from_static(crate::pipeline::routing::RANK_HEADER);
+
+/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params`.
+const MAX_KEPT_BYTES: usize = 1 << 20;
+
+/// What the sidecar is beside and how long it waits.
+#[derive(Debug, Clone)]
+pub struct SidecarConfig {
+    /// The decode server's base URL.
+    pub decode: String,
+    /// How the legs are paired: SGLang's bootstrap room or vLLM's `kv_transfer_params`.
+    pub backend: Backend,
+    /// The SGLang prefill servers' bootstrap port, for a request whose picker named none.
+    pub bootstrap_port: Option<u16>,
+    /// The prefill endpoints a request may name (none: every request naming one is refused).
+    pub prefill_allow: Vec<PrefillAllow>,
+    /// The key the legs carry to the engines (`Authorization: Bearer`), if they need one.
+    pub api_key: Option<String>,
+    /// The largest request body taken.
+    pub max_body_bytes: usize,
+    /// Request body bytes held across all requests while they arrive (`serve`'s `max_buffered_body_bytes`).
+    pub max_buffered_body_bytes: usize,
+    /// A request body must arrive whole within this (`serve`'s `request_body_timeout_ms`).
+    pub request_body_timeout: Duration,
+    pub connect_timeout: Duration,
+    /// The decode leg's response head must come within this of the request's arrival.
+    pub first_byte_timeout: Duration,
+    /// The prefill leg's response head must come within this (and within the request's deadline).
+    pub prefill_first_byte_timeout: Duration,
+    /// A prefill answer's bytes, each within this of the one before.
+    pub idle_timeout: Duration,
+}
+
+#[derive(Clone)]
+struct Sidecar {
+    config: Arc<SidecarConfig>,
+    upstream: Upstream,
+    /// `Authorization` for the engines, from [`SidecarConfig::api_key`].
+    authorization: Option<HeaderValue>,
+    /// The bodies arriving at once.
+    bodies: Arc<BodyBudget>,
+}
+
+/// The sidecar's routes: every path, every method.
+pub fn router(config: SidecarConfig) -> Result<axum::Router, String> {
+    let tls = crate::http::tls::client_config(None, "the decode and prefill servers")?;
+    let upstream = Upstream::new(config.connect_timeout, Duration::from_secs(90), tls);
+    let authorization = match &config.api_key {
+        Some(key) => Some(
+            HeaderValue::from_str(&format!("Bearer {}", key.trim()))
+                .map_err(|_| "the engines' API key is not a header value".to_string())?,
+        ),
+        None => None,
+    };
+    if config.prefill_allow.is_empty() {
+        tracing::warn!(
+            "no --prefill-allow: every request that names a prefill endpoint ({PREFILLER_HEADER}) is refused; \
+             allow the prefill servers' addresses or network"
+        );
+    }
+    let sidecar = Sidecar {
+        bodies: BodyBudget::new(config.max_buffered_body_bytes),
+        config: Arc::new(config),
+        upstream,
+        authorization,
+    };
+    Ok(axum::Router::new().fallback(handle).with_state(sidecar))
+}
+
+/// Serves the sidecar on `listener` until `shutdown` completes, then lets the requests in flight finish: the
+/// gateway's own listener, with `serve`'s connection limits and timeouts (`server`).
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    config: SidecarConfig,
+    server: &crate::config::ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), String> {
+    let app = router(config)?;
+    let deadline = crate::common::drain_deadline::DrainDeadline::default();
+    crate::http::listener::run(
+        listener,
+        crate::http::listener::Protocol::Http1,
+        app,
+        server,
+        None,
+        &deadline,
+        shutdown,
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+async fn handle(State(sidecar): State<Sidecar>, request: Request) -> Response {
+    sidecar
+        .handle(request)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// How a prefill leg failed.
+enum Failed {
+    /// The server answered with an error status (the start of its body).
+    Status { status: u16, body: Bytes },
+    /// No answer in time, or one that stalled: what, and after how long.
+    Timeout(String, Duration),
+    /// No connection, or a broken exchange.
+    Broken(String),
+}
+
+impl Failed {
+    fn message(&self, endpoint: &str) -> String {
+        match self {
+            Failed::Status { status, body } => format!(
+                "the prefill leg at {endpoint} answered {status}: {}",
+                crate::common::throttled::clip(String::from_utf8_lossy(body).trim())
+            ),
+            Failed::Timeout(m, _) => format!("the prefill leg at {endpoint} timed out: {m}"),
+            Failed::Broken(m) => format!("the prefill leg at {endpoint} failed: {m}"),
+        }
+    }
+
+    /// What the client gets when the leg failed before the decode answer began.
+    fn answer(self, endpoint: &str) -> Response {
+        let mut out = match self {
+            Failed::Status { status, body } if (400..500).contains(&status) => {
+                crate::disagg::legs::client_error(status, body.slice(..body.len().min(MAX_REFLECTED_BYTES)))
+            }
+            Failed::Timeout(_, after) => ApiError::UpstreamTimeout {
+                endpoint: endpoint.to_string(),
+                after_ms: after.as_millis() as u64,
+            }
+            .into_response(),
+            failed => ApiError::Upstream {
+                message: failed.message(endpoint),
+                endpoint: endpoint.to_string(),
+            }
+            .into_response(),
+        };
+        out.headers_mut()
+            .insert(FAILED_LEG_HEADER, HeaderValue::from_static("prefill"));
+        out
+    }
+}
+
+/// A running prefill leg: aborted when dropped.
+struct Leg(JoinHandle<Result<Option<Bytes>, Failed>>);
+
+impl Drop for Leg {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The bootstrap fields dprouter's picker put in an SGLang body, as they came.
+#[derive(serde::Deserialize, Default)]
+struct Bootstrap<'a> {
+    #[serde(borrow)]
+    bootstrap_host: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_port: Option<&'a RawValue>,
+    #[serde(borrow)]
+    bootstrap_room: Option<&'a RawValue>,
+    disagg_prefill_dp_rank: Option<u32>,
+}
+
+impl Sidecar {
+    async fn handle(&self, request: Request) -> Result<Response, ApiError> {
+        let (parts, body) = request.into_parts();
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_string();
+        let prefill = prefill_address(&parts.headers)?.filter(|_| parts.method == Method::POST);
+        if let Some(at) = prefill {
+            if !self.config.prefill_allow.iter().any(|a| a.allows(at)) {
+                crate::observe::refusals::refused("prefill_target", || {
+                    format!("a request named the prefill endpoint {at}, which --prefill-allow does not allow: refused")
+                });
+                return Err(ApiError::Forbidden(format!(
+                    "the prefill endpoint {at} is not allowed here (--prefill-allow)"
+                )));
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.config.first_byte_timeout;
+        let (limit, timeout) = (self.config.max_body_bytes, self.config.request_body_timeout);
+        let bytes = crate::admission::body_reader::read(&self.bodies, limit, timeout, &parts.headers, body).await?;
+        let decode = self.config.decode.clone();
+        let Some(prefill) = prefill else {
+            let bytes = if parts.method == Method::POST {
+                without_pairing_fields(bytes)?
+            } else {
+                bytes
+            };
+            let request = self.leg_request(&parts.method, &decode, &path, &parts.headers, None, vec![bytes])?;
+            return self.decode_leg(request, None, deadline).await;
+        };
+        let parsed = parse_body(&bytes, true)?;
+        let (layout, rank) = (parsed.layout, parsed.route.rank_override);
+        let legs = Legs {
+            prefill,
+            path: &path,
+            headers: &parts.headers,
+            deadline,
+        };
+        match self.config.backend {
+            Backend::Vllm => self.vllm(legs, bytes, &layout).await,
+            _ => self.sglang(legs, (bytes, &layout), rank).await,
+        }
+    }
+
+    /// The prefill leg's deadline: its own budget, within the request's.
+    fn prefill_deadline(&self, request: tokio::time::Instant) -> tokio::time::Instant {
+        request.min(tokio::time::Instant::now() + self.config.prefill_first_byte_timeout)
+    }
+
+    /// A leg's request: the client's headers but the hop-by-hop ones, its length (the body's own), its secrets
+    /// (the sidecar's own engine key instead, if any) and those that steer the prefill leg; `rank`, when given, is
+    /// the leg's own rank header (`Some(None)`: none).
+    fn leg_request(
+        &self,
+        method: &Method,
+        base: &str,
+        path: &str,
+        headers: &HeaderMap,
+        rank: Option<Option<HeaderValue>>,
+        pieces: Vec<Bytes>,
+    ) -> Result<hyper::Request<Chunks>, ApiError> {
+        let mut builder = hyper::Request::builder()
+            .method(method.clone())
+            .uri(format!("{}{path}", base.trim_end_matches('/')));
+        for (name, value) in headers {
+            let steering = PREFILL_HEADERS.contains(&name.as_str());
+            let secret = SECRET_HEADERS.contains(&name.as_str());
+            let replaced = rank.is_some() && name == RANK_HEADER;
+            if !steering && !secret && !replaced && name != header::HOST && !crate::pipeline::relay::is_hop_by_hop(name)
+            {
+                builder = builder.header(name, value);
+            }
+        }
+        if let Some(Some(rank)) = rank {
+            builder = builder.header(RANK_HEADER, rank);
+        }
+        if let Some(key) = &self.authorization {
+            builder = builder.header(header::AUTHORIZATION, key);
+        }
+        builder
+            .body(Chunks::new(pieces))
+            .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
+    }
+
+    /// SGLang's way: both legs at once, paired by the room (`decode_rank`: the client's body's `routed_dp_rank`,
+    /// the decode rank).
+    async fn sglang(
+        &self,
+        legs: Legs<'_>,
+        (bytes, layout): (Bytes, &Layout),
+        decode_rank: Option<i64>,
+    ) -> Result<Response, ApiError> {
+        let Legs {
+            prefill,
+            path,
+            headers,
+            deadline,
+        } = legs;
+        let mut fields: Bootstrap = serde_json::from_slice(&bytes)
+            .map_err(|e| ApiError::BadRequest(format!("a bootstrap field is not what SGLang takes: {e}")))?;
+        // The picker's pairing names the prefill endpoint the header names; any other is not the picker's.
+        if let Some(host) = fields.bootstrap_host.filter(|h| !names_ip(h, prefill.ip())) {
+            let host = crate::common::throttled::clip(host.get()).into_owned();
+            crate::observe::refusals::refused("client_field", move || {
+                format!("bootstrap_host {host} is not the prefill endpoint {prefill}: the request gets a fresh room")
+            });
+            fields = Bootstrap::default();
+        }
+        let rank_of_header = headers
+            .get(PREFILL_RANK_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u32>().ok());
+        let (prefill_body, decode_body) = match (fields.bootstrap_host, fields.bootstrap_room) {
+            // The picker paired the legs: the decode leg gets the body as it came.
+            (Some(host), Some(room)) => {
+                let port = fields.bootstrap_port.map_or("null", RawValue::get);
+                let mut members = format!(
+                    r#""bootstrap_host":{},"bootstrap_port":{port},"bootstrap_room":{}"#,
+                    host.get(),
+                    room.get()
+                );
+                if let Some(rank) = fields.disagg_prefill_dp_rank.or(rank_of_header) {
+                    members.push_str(&format!(r#","routed_dp_rank":{rank}"#));
+                }
+                let prefill_body = laid_out(&bytes, layout, [Bytes::from(members)], MemberKind::is_pairing);
+                (prefill_body, vec![bytes.clone()])
+            }
+            _ => {
+                let host = serde_json::Value::from(prefill.ip().to_string());
+                let port = self
+                    .config
+                    .bootstrap_port
+                    .map_or_else(|| "null".to_string(), |p| p.to_string());
+                let room = crate::pipeline::pairing::draw() & crate::pipeline::pairing::MAX_ROOM;
+                let members = format!(r#""bootstrap_host":{host},"bootstrap_port":{port},"bootstrap_room":{room}"#);
+                let mut decode_members = members.clone();
+                if let Some(rank) = decode_rank {
+                    decode_members.push_str(&format!(r#","routed_dp_rank":{rank}"#));
+                }
+                let disaggregation = MemberKind::is_pairing;
+                (
+                    laid_out(&bytes, layout, [Bytes::from(members)], disaggregation),
+                    laid_out(&bytes, layout, [Bytes::from(decode_members)], disaggregation),
+                )
+            }
+        };
+        let endpoint = prefill.to_string();
+        let base = format!("http://{endpoint}");
+        let request = self.leg_request(&Method::POST, &base, path, headers, Some(None), prefill_body)?;
+        let leg = Leg(tokio::spawn(prefill_leg(
+            self.upstream.clone(),
+            request,
+            (self.prefill_deadline(deadline), Arc::clone(&self.config)),
+            false,
+        )));
+        let decode = self.leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
+        self.decode_leg(decode, Some((leg, endpoint)), deadline).await
+    }
+
+    /// vLLM's way: the prefill leg to its end, then the decode leg with its `kv_transfer_params`.
+    async fn vllm(&self, legs: Legs<'_>, bytes: Bytes, layout: &Layout) -> Result<Response, ApiError> {
+        let Legs {
+            prefill,
+            path,
+            headers,
+            deadline,
+        } = legs;
+        let endpoint = prefill.to_string();
+        let members = crate::pipeline::pairing::vllm_prefill_members(path);
+        let prefill_body = laid_out(&bytes, layout, [members], |k| {
+            matches!(
+                k,
+                MemberKind::Disaggregation | MemberKind::BootstrapRoom | MemberKind::Streaming | MemberKind::Length
+            )
+        });
+        let rank = headers.get(PREFILL_RANK_HEADER).cloned();
+        let base = format!("http://{endpoint}");
+        let request = self.leg_request(&Method::POST, &base, path, headers, Some(rank), prefill_body)?;
+        let config = (self.prefill_deadline(deadline), Arc::clone(&self.config));
+        let params = match prefill_leg(self.upstream.clone(), request, config, true).await {
+            Ok(answer) => answer.as_deref().and_then(crate::disagg::legs::kv_transfer_params),
+            Err(Failed::Status { status, body }) if (400..500).contains(&status) => {
+                let body = body.slice(..body.len().min(MAX_REFLECTED_BYTES));
+                return Ok(crate::disagg::legs::client_error(status, body));
+            }
+            Err(failed) => {
+                tracing::warn!(
+                    endpoint,
+                    "{}: the decode server prefills the prompt itself (in the time left)",
+                    failed.message(&endpoint)
+                );
+                None
+            }
+        };
+        if params.is_none() {
+            tracing::debug!(endpoint, "no kv_transfer_params from the prefill leg");
+        }
+        let member = params.map(|params| {
+            let mut member = b"\"kv_transfer_params\":".to_vec();
+            member.extend_from_slice(&params);
+            Bytes::from(member)
+        });
+        let decode_body = laid_out(&bytes, layout, member, MemberKind::is_pairing);
+        let decode = self.leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
+        self.decode_leg(decode, None, deadline).await
+    }
+
+    /// Sends the decode leg and relays its answer, watching `prefill` (the leg and its endpoint) while it runs.
+    async fn decode_leg(
+        &self,
+        request: hyper::Request<Chunks>,
+        mut prefill: Option<(Leg, String)>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Response, ApiError> {
+        let after = self.config.first_byte_timeout;
+        let decode = self.config.decode.clone();
+        let send = tokio::time::timeout_at(deadline, self.upstream.send(request));
+        tokio::pin!(send);
+        let sent = loop {
+            let Some((leg, endpoint)) = prefill.as_mut() else {
+                break send.as_mut().await;
+            };
+            tokio::select! {
+                sent = send.as_mut() => break sent,
+                ended = &mut leg.0 => match ended {
+                    // The prefill is done: the decode answer comes next.
+                    Ok(Ok(_)) => prefill = None,
+                    // The decode request waits for a room that will never be ready: dropped, it is aborted.
+                    Ok(Err(failed)) => return Ok(failed.answer(endpoint)),
+                    Err(e) => return Err(ApiError::Upstream { endpoint: endpoint.clone(), message: e.to_string() }),
+                },
+            }
+        };
+        let response = match sent {
+            Err(_) => {
+                return Err(ApiError::UpstreamTimeout {
+                    endpoint: decode,
+                    after_ms: after.as_millis() as u64,
+                })
+            }
+            Ok(Err(e)) => {
+                return Err(ApiError::Upstream {
+                    endpoint: decode,
+                    message: error_chain(&e),
+                })
+            }
+            Ok(Ok(response)) => response,
+        };
+        let (parts, incoming) = response.into_parts();
+        if !parts.status.is_success() {
+            // No decode server will fetch the room: the prefill leg ends now.
+            prefill = None;
+        }
+        let sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("text/event-stream"));
+        let body = match prefill {
+            Some((leg, endpoint)) => Body::new(Watched {
+                inner: incoming,
+                leg: Some(leg),
+                endpoint,
+                scanner: UsageScanner::new(sse),
+                sse,
+                done: false,
+            }),
+            None => Body::new(incoming),
+        };
+        let mut out = Response::new(body);
+        *out.status_mut() = parts.status;
+        for (name, value) in &parts.headers {
+            if !crate::pipeline::relay::is_hop_by_hop(name) {
+                out.headers_mut().append(name.clone(), value.clone());
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// The prefill endpoint a request names, if any: the first address of the header, which must be `ip:port`.
+fn prefill_address(headers: &HeaderMap) -> Result<Option<SocketAddr>, ApiError> {
+    let Some(value) = headers
+        .get(PREFILLER_HEADER)
+        .or_else(|| headers.get(OLD_PREFILLER_HEADER))
+    else {
+        return Ok(None);
+    };
+    let text = value.to_str().unwrap_or("");
+    let first = text.split(',').next().unwrap_or("").trim();
+    if first.is_empty() {
+        return Ok(None);
+    }
+    first.parse().map(Some).map_err(|_| {
+        ApiError::BadRequest(format!(
+            "{PREFILLER_HEADER} must name the prefill endpoint as ip:port, not {first:?}"
+        ))
+    })
+}
+
+/// Where a request's two legs go, and by when.
+#[derive(Clone, Copy)]
+struct Legs<'a> {
+    prefill: SocketAddr,
+    path: &'a str,
+    headers: &'a HeaderMap,
+    /// The decode answer's head must come by then.
+    deadline: tokio::time::Instant,
+}
+
+/// Sends a prefill leg and reads its answer to the end; returns the answer's first [`MAX_KEPT_BYTES`] when `keep`.
+async fn prefill_leg(
+    upstream: Upstream,
+    request: hyper::Request<Chunks>,
+    (deadline, config): (tokio::time::Instant, Arc<SidecarConfig>),
+    keep: bool,
+) -> Result<Option<Bytes>, Failed> {
+    let started = tokio::time::Instant::now();
+    let response = match tokio::time::timeout_at(deadline, upstream.send(request)).await {
+        Err(_) => {
+            return Err(Failed::Timeout(
+                "no response head in time".into(),
+                deadline.duration_since(started),
+            ))
+        }
+        Ok(Err(e)) => return Err(Failed::Broken(error_chain(&e))),
+        Ok(Ok(response)) => response,
+    };
+    let status = response.status();
+    let mut body = response.into_body();
+    let mut kept = (keep || !status.is_success()).then(Vec::new);
+    loop {
+        let frame = match tokio::time::timeout(config.idle_timeout, body.frame()).await {
+            Err(_) => return Err(Failed::Timeout("its answer stalled".into(), config.idle_timeout)),
+            Ok(None) => break,
+            Ok(Some(Err(e))) => return Err(Failed::Broken(format!("its answer broke: {e}"))),
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let (Ok(data), Some(kept)) = (frame.into_data(), kept.as_mut()) {
+            let most = if status.is_success() {
+                MAX_KEPT_BYTES
+            } else {
+                MAX_REFLECTED_BYTES
+            };
+            let room = most.saturating_sub(kept.len());
+            kept.extend_from_slice(&data[..data.len().min(room)]);
+        }
+    }
+    let kept = kept.map(Bytes::from);
+    if !status.is_success() {
+        return Err(Failed::Status {
+            status: status.as_u16(),
+            body: kept.unwrap_or_default(),
+        });
+    }
+    Ok(kept)
+}
+
+/// The decode answer, with the prefill leg watched while both run: its failure ends the answer (an SSE stream
+/// with an error event), and the answer's end, or its being dropped, aborts it.
+struct Watched {
+    inner: Incoming,
+    leg: Option<Leg>,
+    endpoint: String,
+    scanner: UsageScanner,
+    sse: bool,
+    done: bool,
+}
+
+impl Watched {
+    fn prefill_failed(
+        &mut self,
+        message: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, crate::pipeline::body::BoxError>>> {
+        tracing::warn!(endpoint = %self.endpoint, "{message}");
+        self.done = true;
+        self.leg = None;
+        if !self.sse {
+            return Poll::Ready(Some(Err(message.into())));
+        }
+        let open = match self.scanner.framing() {
+            Framing::EventEnded => "",
+            Framing::LineEnded => "\n",
+            Framing::InLine => "\n\n",
+        };
+        let event = serde_json::json!({"error": {"message": message, "type": "upstream_error", "code": 502}});
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!("{open}data: {event}\n\n"))))))
+    }
+}
+
+impl hyper::body::Body for Watched {
+    type Data = Bytes;
+    type Error = crate::pipeline::body::BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if let Some(leg) = this.leg.as_mut() {
+            if let Poll::Ready(ended) = Pin::new(&mut leg.0).poll(cx) {
+                match ended {
+                    Ok(Ok(_)) => this.leg = None,
+                    Ok(Err(failed)) => {
+                        let message = failed.message(&this.endpoint);
+                        return this.prefill_failed(message);
+                    }
+                    Err(e) => return this.prefill_failed(format!("the prefill leg at {} ended: {e}", this.endpoint)),
+                }
+            }
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.scanner.feed(data);
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                this.done = true;
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Ready(None) => {
+                this.done = true;
+                this.leg = None;
+                Poll::Ready(None)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "sidecar_tests.rs"]
+mod tests;
