@@ -436,3 +436,66 @@ async fn the_pickers_span_joins_the_trace_envoy_started() {
         "{report}"
     );
 }
+
+/// The one header rule (`crates/gateway/src/pipeline/engine_headers.rs`): the same client request reaches the
+/// engine with the same client-sent headers through `serve` and through Envoy asking the picker. Headers the data
+/// plane adds itself (`x-forwarded-*`, `x-envoy-*`, the picker's `x-gateway-destination-endpoint`) and the
+/// transport's (`host`, `content-length`, `transfer-encoding`) do not count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_gets_the_same_client_headers_through_serve_and_through_envoy() {
+    use common::scripted::{header_names, Act, Scripted};
+    let engine = Scripted::start(Act::Json(r#"{"choices": [{"text": "ok"}]}"#)).await;
+    let worker = ["--worker", engine.url.as_str(), "--backend", "openai"];
+    let gw = Proc::start(&[&["serve", "--listen", "127.0.0.1:0"][..], &worker].concat());
+    let picker = Picker::start(&[], &worker);
+    let envoy = Envoy::start("engine-headers", &[&picker.grpc]).await;
+    envoy.wait_for_healthy_pickers(1).await;
+    let c = client();
+    let sent = [
+        ("accept", "application/json"),
+        ("user-agent", "header-rule-test/1"),
+        ("x-request-id", "header-rule-1"),
+        ("anthropic-version", "2023-06-01"),
+        ("anthropic-beta", "tools-2024-04-04"),
+        ("traceparent", "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        ("authorization", "Bearer client-key"),
+        ("x-api-key", "client-key"),
+        ("cookie", "session=secret"),
+        ("proxy-authorization", "Basic secret"),
+        ("x-session-id", "s-1"),
+        ("x-claude-code-session-id", "c-1"),
+        ("x-custom-header", "anything"),
+        ("accept-encoding", "gzip"),
+        ("x-gateway-destination-endpoint-served", "10.9.9.9:1"),
+        ("x-prefiller-host-port", "10.9.9.9:2"),
+    ];
+    let body = json!({"model": "m", "prompt": "same headers", "max_tokens": 2});
+    let transport = |n: &str| {
+        matches!(n, "host" | "content-length" | "transfer-encoding" | "connection" | "te")
+            || n.starts_with("x-forwarded-")
+            || n.starts_with("x-envoy-")
+            || n == "x-gateway-destination-endpoint"
+    };
+    let mut seen = Vec::new();
+    for front in [&gw.url, &envoy.url] {
+        let reply = post(&c, &format!("{front}/v1/completions"), &sent, &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{front}: {}", reply.text);
+        let (head, _) = engine.posts().pop().unwrap();
+        let mut names: Vec<String> = header_names(&head).into_iter().filter(|n| !transport(n)).collect();
+        names.sort();
+        names.dedup();
+        seen.push(names);
+    }
+    let expected = [
+        "accept",
+        "anthropic-beta",
+        "anthropic-version",
+        "authorization",
+        "content-type",
+        "traceparent",
+        "user-agent",
+        "x-request-id",
+    ];
+    assert_eq!(seen[0], expected, "through serve");
+    assert_eq!(seen[1], expected, "through Envoy and the picker");
+}

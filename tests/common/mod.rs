@@ -19,6 +19,7 @@ pub mod envoy;
 pub mod memory;
 pub mod otlp;
 pub mod picker;
+pub mod scripted;
 
 /// A `dprouter` subprocess, killed when dropped.
 pub struct Proc {

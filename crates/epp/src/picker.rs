@@ -33,6 +33,7 @@ use dprouter_gateway::observe::access::Exchange;
 use dprouter_gateway::observe::spans::RequestSpan;
 use dprouter_gateway::observe::trace_context;
 use dprouter_gateway::pipeline::body::Feedback;
+use dprouter_gateway::pipeline::engine_headers;
 use dprouter_gateway::pipeline::outcome::{self, Attempt, Outcome};
 use dprouter_gateway::pipeline::routing::{self, Routed, RANK_HEADER};
 use dprouter_gateway::{ApiError, AppState};
@@ -689,9 +690,10 @@ fn undecodable(status: Status) -> End {
     }
 }
 
-/// The headers to set and remove so that the endpoint gets its rank the way its backend reads it (`rank`, a
-/// header), never the client's, its own key (never a `keyed` client's), and an answer the picker can read (no
-/// compression: usage reports stay visible).
+/// The headers to set and remove so that the endpoint gets the client's headers by the one rule `serve` follows
+/// (`dprouter_gateway::pipeline::engine_headers`: every other client header removed, the data plane's own kept),
+/// its rank the way its backend reads it (`rank`, a header), never the client's, and its own key (never a `keyed`
+/// client's). With `accept-encoding` removed the answer comes uncompressed: usage reports stay visible.
 fn rank_headers(
     target: &Target,
     rank: Option<u32>,
@@ -706,11 +708,19 @@ fn rank_headers(
         matches!(target.backend, dprouter_gateway::Backend::Vllm).then_some(target.id.dp_rank)
     });
     let mut set = Vec::new();
-    let mut remove = Vec::new();
-    match rank {
-        Some(rank) => set.push(protocol::set_header(RANK_HEADER, rank.to_string())),
-        None if protocol::header(client, RANK_HEADER).is_some() => remove.push(RANK_HEADER.to_string()),
-        None => {}
+    // The picker's own (set by it, or Envoy's destination) are never removed.
+    let own = |name: &str| {
+        name == protocol::DESTINATION || name == "content-length" || (rank.is_some() && name == RANK_HEADER)
+    };
+    let mut remove: Vec<String> = Vec::new();
+    for (name, _) in client.iter().filter(|(n, _)| !n.starts_with(':')) {
+        let dropped = !engine_headers::reaches_engine(name) && !engine_headers::data_planes(name) && !own(name);
+        if dropped && !remove.contains(name) {
+            remove.push(name.clone());
+        }
+    }
+    if let Some(rank) = rank {
+        set.push(protocol::set_header(RANK_HEADER, rank.to_string()));
     }
     // The worker's own key, else the client's as it came unless the client was keyed (a client's key never
     // reaches an engine), as `serve` sends it.
@@ -718,15 +728,6 @@ fn rank_headers(
         Some(own) => set.push(protocol::set_header("authorization", own.as_bytes())),
         None if keyed && protocol::header(client, "authorization").is_some() => remove.push("authorization".into()),
         None => {}
-    }
-    // A client never steers a decode sidecar's prefill leg (the picker names the prefill endpoint itself).
-    let names = ["accept-encoding", protocol::SERVED]
-        .into_iter()
-        .chain(sidecar::PREFILL_HEADERS);
-    for name in names {
-        if protocol::header(client, name).is_some() {
-            remove.push(name.to_string());
-        }
     }
     (set, remove)
 }

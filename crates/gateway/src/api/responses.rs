@@ -21,18 +21,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderName};
+use axum::http::header;
 use axum::response::{IntoResponse, Response};
 
 use crate::common::error::ApiError;
-use crate::pipeline::relay::authorization;
 use crate::state::AppState;
-
-/// Client headers a stored-response request takes to the worker (and `Authorization` as [`authorization`] says).
-const FORWARDED: [HeaderName; 2] = [
-    header::ACCEPT,
-    HeaderName::from_static(crate::common::names::REQUEST_ID),
-];
 
 /// `GET`/`DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`, `GET /v1/responses/{id}/input_items`: to
 /// the worker that made the response, answered as it answers.
@@ -66,12 +59,10 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
     let mut upstream = hyper::Request::builder()
         .method(request.method().clone())
         .uri(format!("{}{path_and_query}", target.base));
-    for name in &FORWARDED {
-        if let Some(v) = request.headers().get(name) {
-            upstream = upstream.header(name, v);
-        }
+    for (name, value) in crate::pipeline::engine_headers::passed(request.headers()) {
+        upstream = upstream.header(name, value);
     }
-    if let Some(auth) = authorization(client.is_some(), target, request.headers()) {
+    if let Some(auth) = crate::pipeline::engine_headers::authorization(client.is_some(), target, request.headers()) {
         upstream = upstream.header(header::AUTHORIZATION, auth);
     }
     let span = request

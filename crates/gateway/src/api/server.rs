@@ -447,12 +447,10 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resul
         }
         asked.push(target.id.worker);
         let mut request = hyper::Request::get(format!("{}/v1/models", target.base));
-        for name in [header::ACCEPT, axum::http::HeaderName::from_static(REQUEST_ID)] {
-            if let Some(v) = headers.get(&name) {
-                request = request.header(name, v);
-            }
+        for (name, value) in crate::pipeline::engine_headers::passed(&headers) {
+            request = request.header(name, value);
         }
-        if let Some(auth) = crate::pipeline::relay::authorization(client.is_some(), target, &headers) {
+        if let Some(auth) = crate::pipeline::engine_headers::authorization(client.is_some(), target, &headers) {
             request = request.header(header::AUTHORIZATION, auth);
         }
         let request = request

@@ -63,8 +63,9 @@ use tokio::task::JoinHandle;
 use crate::admission::body_budget::BodyBudget;
 use crate::common::error::ApiError;
 use crate::config::Backend;
-use crate::disagg::trust::{names_ip, without_pairing_fields, PrefillAllow, MAX_REFLECTED_BYTES, SECRET_HEADERS};
+use crate::disagg::trust::{names_ip, without_pairing_fields, PrefillAllow, MAX_REFLECTED_BYTES};
 use crate::fleet::upstream::{error_chain, Chunks, Upstream};
+use crate::pipeline::engine_headers;
 
 /// The header that names a request's prefill endpoint, `ip:port` (llm-d's; a list takes its first).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -292,9 +293,9 @@ impl Sidecar {
         request.min(tokio::time::Instant::now() + self.config.prefill_first_byte_timeout)
     }
 
-    /// A leg's request: the client's headers but the hop-by-hop ones, its length (the body's own), its secrets
-    /// (the sidecar's own engine key instead, if any) and those that steer the prefill leg; `rank`, when given, is
-    /// the leg's own rank header (`Some(None)`: none).
+    /// A leg's request: the client's headers by the one rule (`crate::pipeline::engine_headers`: as they came
+    /// or under their own rule, the trace context as it came), the picker's rank header, the sidecar's own engine
+    /// key rather than any request's; `rank`, when given, is the leg's own rank header (`Some(None)`: none).
     fn leg_request(
         &self,
         method: &Method,
@@ -307,17 +308,23 @@ impl Sidecar {
         let mut builder = hyper::Request::builder()
             .method(method.clone())
             .uri(format!("{}{path}", base.trim_end_matches('/')));
-        for (name, value) in headers {
-            let steering = PREFILL_HEADERS.contains(&name.as_str());
-            let secret = SECRET_HEADERS.contains(&name.as_str());
-            let replaced = rank.is_some() && name == RANK_HEADER;
-            if !steering && !secret && !replaced && name != header::HOST && !crate::pipeline::relay::is_hop_by_hop(name)
-            {
-                builder = builder.header(name, value);
-            }
+        for (name, value) in engine_headers::passed(headers) {
+            builder = builder.header(name, value);
         }
-        if let Some(Some(rank)) = rank {
-            builder = builder.header(RANK_HEADER, rank);
+        for (name, value) in crate::observe::trace_context::propagated(headers, None) {
+            builder = builder.header(name, value);
+        }
+        if let Some(value) = headers.get(header::CONTENT_TYPE) {
+            builder = builder.header(header::CONTENT_TYPE, value);
+        }
+        match rank {
+            Some(Some(rank)) => builder = builder.header(RANK_HEADER, rank),
+            Some(None) => {}
+            None => {
+                if let Some(picker) = headers.get(RANK_HEADER) {
+                    builder = builder.header(RANK_HEADER, picker);
+                }
+            }
         }
         if let Some(key) = &self.authorization {
             builder = builder.header(header::AUTHORIZATION, key);

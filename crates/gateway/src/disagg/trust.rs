@@ -13,9 +13,6 @@ use crate::common::error::ApiError;
 /// The most of a prefill server's error answer passed to the client.
 pub const MAX_REFLECTED_BYTES: usize = 4 << 10;
 
-/// The request headers that carry a client's secrets: never passed to an engine by the sidecar.
-pub const SECRET_HEADERS: [&str; 4] = ["authorization", "x-api-key", "proxy-authorization", "cookie"];
-
 /// One entry of `--prefill-allow`: an address (`ip:port`), an IP (any port), or a network (CIDR).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PrefillAllow {

@@ -2,6 +2,7 @@
 //! pick or pair), the relay of the engine's answer, and the feedback its bytes give the ticket.
 
 pub mod body;
+pub mod engine_headers;
 pub mod outcome;
 pub mod pairing;
 pub mod relay;

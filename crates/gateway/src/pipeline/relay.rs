@@ -19,21 +19,15 @@ use crate::observe::access::Routing;
 use crate::observe::spans::AttemptSpan;
 use crate::observe::telemetry;
 use crate::pipeline::body::{GatewayTicket, GuardedBody, Timing, Watch};
+use crate::pipeline::engine_headers;
 use crate::pipeline::outcome::{record, Attempt, Outcome};
 use crate::pipeline::routing::Routed;
 use crate::state::AppState;
 
-/// Request headers passed on to the worker (everything else, hop-by-hop headers included, stays here, but the
-/// trace context: [`crate::observe::trace_context`]); the request id is always there (the client's or a generated one).
-/// `Accept-Encoding` is not among them: a compressed answer would hide the engine's usage report.
-const FORWARDED_HEADERS: [HeaderName; 3] = [
-    header::ACCEPT,
-    header::USER_AGENT,
-    HeaderName::from_static(crate::common::names::REQUEST_ID),
-];
-
-/// The upstream request for `target`: the same path and query, the client's body without its rank override
-/// fields, and the rank the way the backend reads it. Pieces of the client's bytes, not a copy.
+/// The upstream request for `target`: the same path and query, the client's headers by the one rule
+/// ([`engine_headers`]; the request id is always there, the client's or a generated one), the client's body
+/// without its rank override fields, and the rank the way the backend reads it. Pieces of the client's bytes, not
+/// a copy.
 /// The engine's parent span is `traceparent` when tracing is on (the attempt's span), the client's otherwise.
 pub(crate) fn upstream_request(
     routed: &Routed,
@@ -44,12 +38,10 @@ pub(crate) fn upstream_request(
 ) -> Result<hyper::Request<Chunks>, ApiError> {
     let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
         .header(header::CONTENT_TYPE, "application/json");
-    for name in &FORWARDED_HEADERS {
-        if let Some(v) = headers.get(name) {
-            builder = builder.header(name, v);
-        }
+    for (name, value) in engine_headers::passed(headers) {
+        builder = builder.header(name, value);
     }
-    if let Some(auth) = authorization(routed.client.is_some(), target, headers) {
+    if let Some(auth) = engine_headers::authorization(routed.client.is_some(), target, headers) {
         builder = builder.header(header::AUTHORIZATION, auth);
     }
     for (name, value) in crate::observe::trace_context::propagated(headers, traceparent) {
@@ -62,16 +54,6 @@ pub(crate) fn upstream_request(
     builder
         .body(Chunks::new(pieces))
         .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
-}
-
-/// The `Authorization` a worker gets: its own key's, when it has one; else the client's as it came, unless the
-/// client was keyed (`keyed`: clients are configured, and a client's key never reaches an engine).
-pub fn authorization<'a>(keyed: bool, target: &'a Target, client: &'a HeaderMap) -> Option<&'a HeaderValue> {
-    match &target.auth {
-        Some(own) => Some(own),
-        None if keyed => None,
-        None => client.get(header::AUTHORIZATION),
-    }
 }
 
 /// An engine's answer, and what the gateway knows of how it came.
