@@ -13,13 +13,14 @@ use axum::extract::{Request, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::WorkerId;
 
 use crate::common::error::ApiError;
+use crate::fleet::registry::Target;
 use crate::observe::access::Routing;
 use crate::observe::spans::RequestSpan;
 use crate::pipeline::body::Timing;
 use crate::pipeline::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
+use crate::pipeline::retry::Refused;
 use crate::state::AppState;
 
 pub use crate::pipeline::routing::RANK_HEADER;
@@ -82,12 +83,12 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
         .await;
     }
     // Workers that refused this request's connection.
-    let mut refused: Vec<WorkerId> = Vec::new();
+    let mut refused = Refused::default();
     loop {
         let target = &membership.targets[routed.ticket.pick.rank];
         let branch = routed.ticket.pick.branch;
         let label = target.label();
-        let attempt = span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+        let attempt = span.attempt(&label, target.id.dp_rank, refused.count() as u32 + 1);
         let upstream = upstream_request(&routed, target, &path_and_query, &parts.headers, attempt.traceparent())?;
         let timing = Timing {
             received,
@@ -109,7 +110,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                     policy: state.policies.default_policy().name(),
                     branch: branch.as_str(),
                     model: routed.served.clone().or(routed.model.clone()),
-                    retries: refused.len() as u32,
+                    retries: refused.count() as u32,
                 };
                 let answer = Answer {
                     response,
@@ -122,19 +123,10 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 return Ok(relay(state, answer, routed.ticket, target));
             }
             Err(err) => {
-                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
-                // A refused connection means the whole worker is down: the retry skips all its endpoints, and the
-                // policy forgets that the prompt went there.
-                refused.push(target.id.worker);
+                exchange_failed(state, target, branch, &attempt, &err, &mut refused)?;
                 let served = routed.served.as_deref();
-                let accept = |rank: usize| {
-                    let t = &membership.targets[rank];
-                    served.is_none_or(|m| t.serves(m)) && !refused.contains(&t.id.worker)
-                };
-                routed.ticket = routed
-                    .ticket
-                    .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())?;
-                crate::pipeline::routing::count_decision(state, routed.ticket.pick.branch);
+                let serves = |t: &Target, _| served.is_none_or(|m| t.serves(m));
+                routed.ticket = refused.reroute(state, &membership, routed.ticket, serves)?;
             }
         }
     }

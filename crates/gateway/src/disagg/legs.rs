@@ -30,7 +30,7 @@ use std::time::Duration;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
-use dprouter_core::{Branch, UsageScanner, WorkerId};
+use dprouter_core::UsageScanner;
 use http_body_util::BodyExt;
 use tokio::task::JoinHandle;
 
@@ -43,6 +43,7 @@ use crate::observe::telemetry;
 use crate::pipeline::body::{GatewayTicket, Timing, Watch};
 use crate::pipeline::outcome::{record, Attempt, Outcome};
 use crate::pipeline::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
+use crate::pipeline::retry::Refused;
 use crate::pipeline::routing::Routed;
 use crate::state::AppState;
 
@@ -309,7 +310,7 @@ pub async fn forward(
     first_byte_timeout: Duration,
 ) -> Result<Response, ApiError> {
     let membership = Arc::clone(&routed.membership);
-    let mut refused: Vec<WorkerId> = Vec::new();
+    let mut refused = Refused::default();
     let mut running: Option<PrefillWatch> = None;
     let prefill_budget = state.config.disaggregation.prefill_first_byte(first_byte_timeout);
     if routed.prefill_target().is_some_and(|t| t.backend == Backend::Vllm) {
@@ -325,7 +326,7 @@ pub async fn forward(
         }
     }
     loop {
-        let attempt_no = refused.len() as u32 + 1;
+        let attempt_no = refused.count() as u32 + 1;
         let Some(pair) = routed.pair.as_mut() else {
             return Err(ApiError::Unavailable(
                 "a disaggregated request lost its prefill leg".into(),
@@ -384,23 +385,16 @@ pub async fn forward(
                 attempt.failed("its prefill leg failed");
                 match failure {
                     LegFailure::Refused(ticket, message) => {
-                        let pinned = ticket.pick.branch == Branch::Override;
-                        if pinned || refused.len() >= state.config.retries as usize {
+                        if !refused.may_retry(state, prefill_target.id.worker, ticket.pick.branch) {
                             return Err(ApiError::Upstream {
                                 endpoint: prefill_label,
                                 message,
                             });
                         }
-                        metrics::counter!(telemetry::RETRIES).increment(1);
-                        refused.push(prefill_target.id.worker);
-                        let accept = |rank: usize| {
-                            let t = &membership.targets[rank];
-                            t.role == Role::Prefill && routed.serving(rank) && !refused.contains(&t.id.worker)
-                        };
-                        let ticket = (*ticket)
-                            .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())
+                        let prefill = |t: &Target, rank| t.role == Role::Prefill && routed.serving(rank);
+                        let ticket = refused
+                            .reroute(state, &membership, *ticket, prefill)
                             .map_err(|e| no_prefill(e, &message))?;
-                        crate::pipeline::routing::count_decision(state, ticket.pick.branch);
                         pair_again(&mut routed, ticket);
                         continue;
                     }
@@ -438,7 +432,7 @@ pub async fn forward(
                     policy: state.policies.role_default(Role::Decode).name(),
                     branch: branch.as_str(),
                     model: routed.served.clone().or(routed.model.clone()),
-                    retries: refused.len() as u32,
+                    retries: refused.count() as u32,
                 };
                 let answer = Answer {
                     response,
@@ -455,20 +449,11 @@ pub async fn forward(
                 return Ok(out);
             }
             Waited::Decode(Ok(Err(err))) => {
-                exchange_failed(state, target, branch, &attempt, &err, refused.len())?;
+                exchange_failed(state, target, branch, &attempt, &err, &mut refused)?;
                 // The prefill leg goes on: the new decode endpoint fetches the same room.
-                refused.push(target.id.worker);
                 let served = routed.served.clone();
-                let accept = |rank: usize| {
-                    let t = &membership.targets[rank];
-                    t.role == Role::Decode
-                        && served.as_deref().is_none_or(|m| t.serves(m))
-                        && !refused.contains(&t.id.worker)
-                };
-                routed.ticket = routed
-                    .ticket
-                    .reroute(&membership.snapshot, &accept, crate::common::clock::now_us())?;
-                crate::pipeline::routing::count_decision(state, routed.ticket.pick.branch);
+                let decode = |t: &Target, _| t.role == Role::Decode && served.as_deref().is_none_or(|m| t.serves(m));
+                routed.ticket = refused.reroute(state, &membership, routed.ticket, decode)?;
             }
         }
     }
@@ -498,7 +483,7 @@ struct PrefillFirst<'a> {
 
 impl PrefillFirst<'_> {
     /// Runs the prefill leg; `Some(answer)` is the client's answer already (a prefill 4xx).
-    async fn run(self, routed: &mut Routed, refused: &mut Vec<WorkerId>) -> Result<Option<Response>, ApiError> {
+    async fn run(self, routed: &mut Routed, refused: &mut Refused) -> Result<Option<Response>, ApiError> {
         let membership = Arc::clone(&routed.membership);
         loop {
             let Some(pair) = routed.pair.as_mut() else {
@@ -509,7 +494,7 @@ impl PrefillFirst<'_> {
             };
             let target = membership.targets[pair.rank].clone();
             let label = target.label();
-            let attempt = self.span.attempt(&label, target.id.dp_rank, refused.len() as u32 + 1);
+            let attempt = self.span.attempt(&label, target.id.dp_rank, refused.count() as u32 + 1);
             let request = upstream_request(
                 routed,
                 &target,
@@ -542,21 +527,12 @@ impl PrefillFirst<'_> {
                 Err(failure) => failure,
             };
             match failure {
-                LegFailure::Refused(ticket, message) if ticket.pick.branch != Branch::Override => {
-                    if refused.len() < self.state.config.retries as usize {
-                        metrics::counter!(telemetry::RETRIES).increment(1);
-                        refused.push(target.id.worker);
+                LegFailure::Refused(ticket, message) => {
+                    if refused.may_retry(self.state, target.id.worker, ticket.pick.branch) {
                         let served = routed.served.clone();
-                        let accept = |rank: usize| {
-                            let t = &membership.targets[rank];
-                            t.role == Role::Prefill
-                                && served.as_deref().is_none_or(|m| t.serves(m))
-                                && !refused.contains(&t.id.worker)
-                        };
-                        if let Ok(ticket) =
-                            (*ticket).reroute(&membership.snapshot, &accept, crate::common::clock::now_us())
-                        {
-                            crate::pipeline::routing::count_decision(self.state, ticket.pick.branch);
+                        let prefill =
+                            |t: &Target, _| t.role == Role::Prefill && served.as_deref().is_none_or(|m| t.serves(m));
+                        if let Ok(ticket) = refused.reroute(self.state, &membership, *ticket, prefill) {
                             pair_again(routed, ticket);
                             continue;
                         }

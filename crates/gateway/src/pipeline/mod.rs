@@ -6,4 +6,5 @@ pub mod engine_headers;
 pub mod outcome;
 pub mod pairing;
 pub mod relay;
+pub mod retry;
 pub mod routing;

@@ -17,10 +17,10 @@ use crate::fleet::registry::Target;
 use crate::fleet::upstream::{Chunks, UpstreamError};
 use crate::observe::access::Routing;
 use crate::observe::spans::AttemptSpan;
-use crate::observe::telemetry;
 use crate::pipeline::body::{GatewayTicket, GuardedBody, Timing, Watch};
 use crate::pipeline::engine_headers;
 use crate::pipeline::outcome::{record, Attempt, Outcome};
+use crate::pipeline::retry::Refused;
 use crate::pipeline::routing::Routed;
 use crate::state::AppState;
 
@@ -170,15 +170,15 @@ pub(crate) fn answered(state: &AppState, target: &Target, branch: Branch, attemp
 }
 
 /// The exchange with `target` failed before an answer: counted and recorded. `Ok(())` when it may be retried
-/// elsewhere (a connection never made, a request not pinned, fewer than `retries` tries so far); otherwise the
-/// client's error.
+/// elsewhere ([`Refused::may_retry`]: a connection never made, a request not pinned, fewer than `retries` tries so
+/// far); otherwise the client's error.
 pub(crate) fn exchange_failed(
     state: &AppState,
     target: &Target,
     branch: Branch,
     attempt: &AttemptSpan,
     err: &UpstreamError,
-    tries: usize,
+    refused: &mut Refused,
 ) -> Result<(), ApiError> {
     let label = target.label();
     let message = crate::fleet::upstream::error_chain(err);
@@ -188,9 +188,8 @@ pub(crate) fn exchange_failed(
         connect: err.is_connect(),
     };
     record(&state.registry, Attempt::at(target, Some(branch)), outcome);
-    // Only a connection that was never made is safe to retry, and never a pinned request.
-    if err.is_connect() && branch != Branch::Override && tries < state.config.retries as usize {
-        metrics::counter!(telemetry::RETRIES).increment(1);
+    // Only a connection that was never made is safe to retry.
+    if err.is_connect() && refused.may_retry(state, target.id.worker, branch) {
         return Ok(());
     }
     Err(ApiError::Upstream {
