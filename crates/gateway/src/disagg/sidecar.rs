@@ -14,7 +14,8 @@
 //!   server to prefill the prompt itself; a prefill 4xx goes to the client as it came.
 //!
 //! A request without the header, and every other route (health, load, metrics, models), goes to the decode server
-//! as it came: the picker probes the decode pod through the sidecar.
+//! alone (its headers by the one rule, a POST body without pairing fields): the picker probes the decode pod
+//! through the sidecar.
 //!
 //! Either leg failing ends the other: a prefill leg that fails before the decode answer's head drops the decode
 //! request (its connection closes, which aborts it at the engine) and the client gets the prefill's 4xx as it came,
@@ -28,8 +29,11 @@
 //!   header names (as dprouter's picker sets them); otherwise the request gets a fresh room. A client's
 //!   `kv_transfer_params`, `bootstrap_*` and `disagg_prefill_dp_rank` never reach an engine otherwise: they are
 //!   dropped from every other POST body too (a body that is not a JSON object is refused).
-//! - **Secrets**: a request's `Authorization`, `X-Api-Key`, `Proxy-Authorization` and `Cookie` go to no engine;
-//!   the legs carry the sidecar's own engine key (`--api-key-file`) when it has one.
+//! - **Headers**: a request's headers reach the engines by `serve`'s one rule ([`crate::pipeline::engine_headers`]):
+//!   its `Authorization`, `X-Api-Key`, `Proxy-Authorization` and `Cookie` go to no engine; the legs carry the
+//!   sidecar's own engine key (`--api-key-file`) when it has one.
+//! - **Bodies** are read as `serve` reads them ([`crate::admission::body_reader`]): the size limit, a budget of all
+//!   bodies arriving at once, the body timeout.
 //! - **Reflected errors**: a prefill server's error answer is passed to the client clipped to
 //!   [`MAX_REFLECTED_BYTES`].
 //!
