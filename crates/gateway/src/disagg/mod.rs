@@ -3,4 +3,5 @@
 
 pub mod legs;
 pub mod sidecar;
+mod sidecar_leg;
 pub mod trust;
