@@ -4,7 +4,7 @@
 //! `kv_transfer_params` of the prefill answer; a prefill leg that fails on the server's side leaves the decode
 //! server to prefill the prompt itself.
 //!
-//! The prefill leg runs in a task of its own ([`PrefillLeg`]) holding the prefill ticket: its first byte releases
+//! The prefill leg runs in a task of its own ([`crate::disagg::prefill_leg`], the sidecar's runner too) holding the prefill ticket: its first byte releases
 //! the prefill endpoint's queued-prefill share, its usage report (the prompt tokens the prefill server had cached)
 //! teaches the prefill policy, and its end releases the endpoint's in-flight count. Its outcome is watched by
 //! whatever waits on the decode leg: the response head first, then the body relayed to the client
@@ -21,22 +21,19 @@
 //! waiting for the old room is dropped and sent again), a refused decode leg on another decode endpoint with the
 //! same room (the prefill server still holds the room's KV cache for whichever decode server asks for it).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use dprouter_core::UsageScanner;
-use http_body_util::BodyExt;
-use tokio::task::JoinHandle;
 
 use crate::common::error::ApiError;
 use crate::config::{Backend, Role};
+use crate::disagg::prefill_leg::{self, Described, LegEvents, LegFailure, LegRun, PrefillWatch};
 use crate::fleet::registry::Target;
+use crate::fleet::upstream::Chunks;
 use crate::observe::access::Routing;
 use crate::observe::spans::{AttemptSpan, RequestSpan};
 use crate::observe::telemetry;
@@ -47,158 +44,70 @@ use crate::pipeline::retry::Refused;
 use crate::pipeline::routing::Routed;
 use crate::state::AppState;
 
-/// The most of a prefill server's error answer kept, to hand to the client.
-const MAX_ERROR_BYTES: usize = 64 << 10;
-
-/// The most of a vLLM prefill answer kept, to read its `kv_transfer_params` (one token's answer is a few KiB).
-const MAX_KEPT_BYTES: usize = 1 << 20;
-
-/// How a prefill leg failed.
-pub enum LegFailure {
-    /// Its connection was refused: the server never got the request. The ticket comes back, to route again.
-    Refused(Box<GatewayTicket>, String),
-    /// The server answered with an error status (its body, at most [`MAX_ERROR_BYTES`]).
-    Status { status: u16, body: Bytes },
-    /// No answer in time, or an answer that stalled.
-    Timeout(String),
-    /// The exchange broke.
-    Broken(String),
+/// A prefill leg of `serve`'s that failed: how, and its ticket back when its connection was refused (to route
+/// again).
+struct Failed {
+    failure: LegFailure,
+    ticket: Option<Box<GatewayTicket>>,
 }
 
-impl LegFailure {
-    /// What a client whose answer had begun is told.
+impl Described for Failed {
     fn message(&self, endpoint: &str) -> String {
-        match self {
-            LegFailure::Refused(_, m) => format!("the prefill leg at {endpoint} could not connect: {m}"),
-            LegFailure::Status { status, body } => format!(
-                "the prefill leg at {endpoint} answered {status}: {}",
-                String::from_utf8_lossy(body).trim()
-            ),
-            LegFailure::Timeout(m) => format!("the prefill leg at {endpoint} timed out: {m}"),
-            LegFailure::Broken(m) => format!("the prefill leg at {endpoint} failed: {m}"),
-        }
+        self.failure.message(endpoint)
     }
 }
 
-/// The prefill leg of one attempt, run by [`PrefillLeg::run`].
-struct PrefillLeg {
+/// What `serve`'s prefill leg holds while it runs ([`prefill_leg::run`] runs it): the prefill ticket, whose
+/// first byte releases the endpoint's queued-prefill share and whose usage report teaches the prefill policy; the
+/// attempt's span; the outcome recorder's target.
+struct TicketedLeg {
     ticket: GatewayTicket,
     target: Target,
     state: Arc<AppState>,
     attempt: AttemptSpan,
-    timing: Timing,
-    /// Fires when the decode answer's first byte came: the prefill is over, whether or not its own answer has
-    /// begun, and its queued-prefill share is released (else a conversation's next turn could find its prefill
-    /// endpoint still counted busy and be sent elsewhere).
-    decode_started: Option<tokio::sync::oneshot::Receiver<()>>,
+    scanner: Option<UsageScanner>,
 }
 
-impl PrefillLeg {
-    /// Sends the leg and reads its answer to the end; returns the answer's first [`MAX_KEPT_BYTES`] when `keep`.
-    async fn run(
-        mut self,
-        request: hyper::Request<crate::fleet::upstream::Chunks>,
-        keep: bool,
-    ) -> Result<Option<Bytes>, LegFailure> {
-        let branch = self.ticket.pick.branch;
-        let (registry, target) = (Arc::clone(&self.state.registry), self.target.clone());
-        let outcome = |outcome| record(&registry, Attempt::at(&target, Some(branch)), outcome);
-        let upstream = self.state.upstream.clone();
-        let send = tokio::time::timeout_at(self.timing.first_byte, upstream.send(request));
-        tokio::pin!(send);
-        let sent = loop {
-            let Some(started) = self.decode_started.as_mut() else {
-                break send.as_mut().await;
-            };
-            tokio::select! {
-                sent = send.as_mut() => break sent,
-                _ = started => {
-                    self.decode_started = None;
-                    self.ticket.first_token(crate::common::clock::now_us());
-                }
-            }
-        };
-        let response = match sent {
-            Err(_) => {
-                self.attempt.failed("no response head in time");
-                outcome(Outcome::NoHead);
-                return Err(LegFailure::Timeout("no response head in time".into()));
-            }
-            Ok(Err(err)) => {
-                let message = crate::fleet::upstream::error_chain(&err);
-                self.attempt.failed(&message);
-                outcome(Outcome::Failed {
-                    connect: err.is_connect(),
-                });
-                if err.is_connect() {
-                    return Err(LegFailure::Refused(Box::new(self.ticket), message));
-                }
-                return Err(LegFailure::Broken(message));
-            }
-            Ok(Ok(response)) => response,
-        };
-        let status = response.status();
-        self.attempt.answered(status.as_u16());
-        outcome(Outcome::Answered(status.as_u16()));
-        if !status.is_success() {
-            let body = read_bounded(response.into_body(), self.timing.idle).await;
-            return Err(LegFailure::Status {
-                status: status.as_u16(),
-                body,
-            });
+impl LegEvents for TicketedLeg {
+    fn outcome(&mut self, outcome: Outcome, detail: &str) {
+        match outcome {
+            Outcome::Answered(status) => self.attempt.answered(status),
+            Outcome::NoHead | Outcome::Failed { .. } => self.attempt.failed(detail),
+            Outcome::Cut { .. } => {}
         }
-        let sse = response
-            .headers()
-            .get(axum::http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|ct| ct.starts_with("text/event-stream"));
-        let mut scanner = UsageScanner::new(sse);
-        let mut body = response.into_body();
-        let mut first = true;
-        let mut kept = keep.then(Vec::new);
-        loop {
-            let next = tokio::time::timeout(self.timing.idle, body.frame());
-            let next = match self.decode_started.as_mut() {
-                None => next.await,
-                Some(started) => tokio::select! {
-                    next = next => next,
-                    _ = started => {
-                        self.decode_started = None;
-                        self.ticket.first_token(crate::common::clock::now_us());
-                        continue;
-                    }
-                },
-            };
-            let frame = match next {
-                Err(_) => {
-                    outcome(Outcome::Cut { stalled: true });
-                    return Err(LegFailure::Timeout("its answer stalled".into()));
-                }
-                Ok(None) => break,
-                Ok(Some(Err(err))) => {
-                    outcome(Outcome::Cut { stalled: false });
-                    return Err(LegFailure::Broken(format!("its answer broke: {err}")));
-                }
-                Ok(Some(Ok(frame))) => frame,
-            };
-            let Ok(data) = frame.into_data() else { continue };
-            if first && !data.is_empty() {
-                first = false;
-                // The prefill is over: the endpoint's next queued request begins its prefill.
-                self.ticket.first_token(crate::common::clock::now_us());
-            }
-            if let Some(usage) = scanner.feed(&data) {
-                self.report(usage);
-            }
-            if let Some(kept) = kept.as_mut() {
-                let room = MAX_KEPT_BYTES.saturating_sub(kept.len());
-                kept.extend_from_slice(&data[..data.len().min(room)]);
-            }
-        }
-        if let Some(usage) = scanner.finish() {
+        let branch = Some(self.ticket.pick.branch);
+        record(&self.state.registry, Attempt::at(&self.target, branch), outcome);
+    }
+
+    fn prefill_over(&mut self) {
+        self.ticket.first_token(crate::common::clock::now_us());
+    }
+
+    fn data(&mut self, data: &[u8], sse: bool) {
+        if let Some(usage) = self.scanner.get_or_insert_with(|| UsageScanner::new(sse)).feed(data) {
             self.report(usage);
         }
-        Ok(kept.map(Bytes::from))
+    }
+
+    fn ended(&mut self) {
+        if let Some(usage) = self.scanner.as_mut().and_then(UsageScanner::finish) {
+            self.report(usage);
+        }
+    }
+}
+
+impl TicketedLeg {
+    /// Runs the leg ([`prefill_leg::run`]); a refused connection gives the ticket back.
+    async fn run(mut self, request: hyper::Request<Chunks>, run: LegRun) -> Result<Option<Bytes>, Failed> {
+        let upstream = self.state.upstream.clone();
+        match prefill_leg::run(&upstream, request, run, &mut self).await {
+            Ok(kept) => Ok(kept),
+            Err(failure @ LegFailure::Refused(_)) => Err(Failed {
+                failure,
+                ticket: Some(Box::new(self.ticket)),
+            }),
+            Err(failure) => Err(Failed { failure, ticket: None }),
+        }
     }
 
     /// The prefill server's usage report: how much of the prompt it had cached teaches the prefill policy.
@@ -210,92 +119,10 @@ impl PrefillLeg {
     }
 }
 
-/// Reads at most [`MAX_ERROR_BYTES`] of an error answer, each frame within `idle`.
-async fn read_bounded(mut body: hyper::body::Incoming, idle: Duration) -> Bytes {
-    let mut out = Vec::new();
-    while out.len() < MAX_ERROR_BYTES {
-        match tokio::time::timeout(idle, body.frame()).await {
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    let room = MAX_ERROR_BYTES - out.len();
-                    out.extend_from_slice(&data[..data.len().min(room)]);
-                }
-            }
-            _ => break,
-        }
-    }
-    Bytes::from(out)
-}
-
-/// How long a prefill leg may go on after the decode answer the client got has ended. By then the prefill is long
-/// over (the decode server's first token came after it): what is left of its answer is a few bytes and a usage
-/// report, which 5 s covers on a slow link; a leg still open then has stalled, and would hold its endpoint in
-/// flight until `stream_idle_timeout_ms`.
-pub const DETACHED_PREFILL_GRACE: Duration = Duration::from_secs(5);
-
-/// A running prefill leg, watched from the decode side: dropped before the leg ended, it aborts it.
-pub struct PrefillWatch {
-    handle: JoinHandle<Result<(), LegFailure>>,
-    label: String,
-    /// Tells the leg the decode answer began.
-    decode_started: Option<tokio::sync::oneshot::Sender<()>>,
-    /// The answer the client got ended whole: the leg may finish its own (its usage report still teaches the
-    /// prefill policy) rather than be aborted.
-    detached: bool,
-}
-
-impl Watch for PrefillWatch {
-    fn poll_outcome(&mut self, cx: &mut Context<'_>) -> Poll<Option<String>> {
-        Pin::new(&mut self.handle).poll(cx).map(|joined| match joined {
-            Ok(Ok(())) => None,
-            Ok(Err(failure)) => Some(failure.message(&self.label)),
-            Err(e) => Some(format!("the prefill leg at {} ended: {e}", self.label)),
-        })
-    }
-
-    fn detach(&mut self) {
-        if self.detached || self.handle.is_finished() {
-            self.detached = true;
-            return;
-        }
-        self.detached = true;
-        // The leg may finish its answer (a few events and its usage report), not hold its endpoint's in-flight
-        // count for a stalled stream's idle timeout.
-        let leg = self.handle.abort_handle();
-        let label = self.label.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(DETACHED_PREFILL_GRACE).await;
-            if !leg.is_finished() {
-                leg.abort();
-                crate::observe::refusals::refused("prefill_leg_cut", || {
-                    format!(
-                        "the prefill leg at {label} was still answering {DETACHED_PREFILL_GRACE:?} after the decode \
-                         answer ended: cut"
-                    )
-                });
-            }
-        });
-    }
-
-    fn answer_started(&mut self) {
-        if let Some(started) = self.decode_started.take() {
-            let _ = started.send(());
-        }
-    }
-}
-
-impl Drop for PrefillWatch {
-    fn drop(&mut self) {
-        if !self.detached {
-            self.handle.abort();
-        }
-    }
-}
-
 /// What ended the wait for the decode leg's response head.
 enum Waited {
     Decode(Result<Result<hyper::Response<hyper::body::Incoming>, crate::fleet::upstream::UpstreamError>, ()>),
-    Prefill(LegFailure),
+    Prefill(Failed),
 }
 
 /// Forwards a disaggregated request (`routed.pair` is set): both legs, retries on refused connections, and the
@@ -311,7 +138,7 @@ pub async fn forward(
 ) -> Result<Response, ApiError> {
     let membership = Arc::clone(&routed.membership);
     let mut refused = Refused::default();
-    let mut running: Option<PrefillWatch> = None;
+    let mut running: Option<PrefillWatch<Failed>> = None;
     let prefill_budget = state.config.disaggregation.prefill_first_byte(first_byte_timeout);
     if routed.prefill_target().is_some_and(|t| t.backend == Backend::Vllm) {
         let step = PrefillFirst {
@@ -338,21 +165,26 @@ pub async fn forward(
         if let Some(ticket) = pair.ticket.take() {
             let attempt = span.attempt(&prefill_label, prefill_target.id.dp_rank, attempt_no);
             let request = upstream_request(&routed, &prefill_target, path_and_query, headers, attempt.traceparent())?;
-            let (started, decode_started) = tokio::sync::oneshot::channel();
-            let leg = PrefillLeg {
+            let leg = TicketedLeg {
                 ticket,
                 target: prefill_target.clone(),
                 state: Arc::clone(state),
                 attempt,
-                timing: prefill_timing(timing, prefill_budget),
-                decode_started: Some(decode_started),
+                scanner: None,
             };
-            running = Some(PrefillWatch {
-                handle: tokio::spawn(async move { leg.run(request, false).await.map(|_| ()) }),
-                label: prefill_label.clone(),
-                decode_started: Some(started),
-                detached: false,
-            });
+            let leg_timing = prefill_timing(timing, prefill_budget);
+            running = Some(PrefillWatch::spawn(
+                prefill_label.clone(),
+                |decode_started| async move {
+                    let run = LegRun {
+                        head_by: leg_timing.first_byte,
+                        idle: leg_timing.idle,
+                        keep: false,
+                        decode_started: Some(decode_started),
+                    };
+                    leg.run(request, run).await.map(|_| ())
+                },
+            ));
         }
         let target = &membership.targets[routed.ticket.pick.rank];
         let branch = routed.ticket.pick.branch;
@@ -373,18 +205,18 @@ pub async fn forward(
                         watch.detach();
                         running = None;
                     }
-                    Ok(Err(failure)) => break Waited::Prefill(failure),
-                    Err(e) => break Waited::Prefill(LegFailure::Broken(e.to_string())),
+                    Ok(Err(failed)) => break Waited::Prefill(failed),
+                    Err(e) => break Waited::Prefill(Failed { failure: LegFailure::Broken(e.to_string()), ticket: None }),
                 },
             }
         };
         match outcome {
-            Waited::Prefill(failure) => {
+            Waited::Prefill(Failed { failure, ticket }) => {
                 running = None;
                 // The decode request waits for a room that will never be ready: dropped, it is aborted.
                 attempt.failed("its prefill leg failed");
-                match failure {
-                    LegFailure::Refused(ticket, message) => {
+                match (failure, ticket) {
+                    (LegFailure::Refused(message), Some(ticket)) => {
                         if !refused.may_retry(state, prefill_target.id.worker, ticket.pick.branch) {
                             return Err(ApiError::Upstream {
                                 endpoint: prefill_label,
@@ -398,17 +230,17 @@ pub async fn forward(
                         pair_again(&mut routed, ticket);
                         continue;
                     }
-                    LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                    (LegFailure::Status { status, body }, _) if (400..500).contains(&status) => {
                         // The request's own fault: the client gets the prefill server's answer as it came.
                         return Ok(client_error(status, body));
                     }
-                    LegFailure::Timeout(_) => {
+                    (LegFailure::Timeout { .. }, _) => {
                         return Err(ApiError::UpstreamTimeout {
                             endpoint: prefill_label,
                             after_ms: prefill_budget.as_millis() as u64,
                         })
                     }
-                    failure => {
+                    (failure, _) => {
                         return Err(ApiError::Upstream {
                             message: failure.message(&prefill_label),
                             endpoint: prefill_label,
@@ -502,16 +334,21 @@ impl PrefillFirst<'_> {
                 self.headers,
                 attempt.traceparent(),
             )?;
-            let leg = PrefillLeg {
+            let leg = TicketedLeg {
                 ticket,
                 target: target.clone(),
                 state: Arc::clone(self.state),
                 attempt,
-                timing: self.timing,
+                scanner: None,
+            };
+            let run = LegRun {
+                head_by: self.timing.first_byte,
+                idle: self.timing.idle,
+                keep: true,
                 // vLLM's decode leg starts after this one ends.
                 decode_started: None,
             };
-            let failure = match leg.run(request, true).await {
+            let failed = match leg.run(request, run).await {
                 Ok(answer) => {
                     let params = answer.as_deref().and_then(kv_transfer_params);
                     if params.is_none() {
@@ -524,10 +361,10 @@ impl PrefillFirst<'_> {
                     }
                     return Ok(None);
                 }
-                Err(failure) => failure,
+                Err(failed) => failed,
             };
-            match failure {
-                LegFailure::Refused(ticket, message) => {
+            match (failed.failure, failed.ticket) {
+                (LegFailure::Refused(message), Some(ticket)) => {
                     if refused.may_retry(self.state, target.id.worker, ticket.pick.branch) {
                         let served = routed.served.clone();
                         let prefill =
@@ -539,10 +376,10 @@ impl PrefillFirst<'_> {
                     }
                     decode_alone(&label, &message);
                 }
-                LegFailure::Status { status, body } if (400..500).contains(&status) => {
+                (LegFailure::Status { status, body }, _) if (400..500).contains(&status) => {
                     return Ok(Some(client_error(status, body)));
                 }
-                failure => decode_alone(&label, &failure.message(&label)),
+                (failure, _) => decode_alone(&label, &failure.message(&label)),
             }
             return Ok(None);
         }

@@ -63,7 +63,8 @@ use serde_json::value::RawValue;
 use crate::admission::body_budget::BodyBudget;
 use crate::common::error::ApiError;
 use crate::config::Backend;
-use crate::disagg::sidecar_leg::{prefill_leg, Failed, Leg, Watched};
+use crate::disagg::prefill_leg::{LegFailure, PrefillWatch};
+use crate::disagg::sidecar_leg::{failed_answer, prefill_leg, Watched};
 use crate::disagg::trust::{names_ip, without_pairing_fields, PrefillAllow, MAX_REFLECTED_BYTES};
 use crate::fleet::upstream::{error_chain, Chunks, Upstream};
 use crate::pipeline::engine_headers;
@@ -343,14 +344,14 @@ impl Sidecar {
         let endpoint = prefill.to_string();
         let base = format!("http://{endpoint}");
         let request = self.leg_request(&Method::POST, &base, path, headers, Some(None), prefill_body)?;
-        let leg = Leg(tokio::spawn(prefill_leg(
-            self.upstream.clone(),
-            request,
-            (self.prefill_deadline(deadline), Arc::clone(&self.config)),
-            false,
-        )));
+        let (upstream, config) = (self.upstream.clone(), Arc::clone(&self.config));
+        let leg_deadline = self.prefill_deadline(deadline);
+        let leg = PrefillWatch::spawn(endpoint, |decode_started| async move {
+            let leg = prefill_leg(upstream, request, (leg_deadline, config), false, Some(decode_started));
+            leg.await.map(|_| ())
+        });
         let decode = self.leg_request(&Method::POST, &self.config.decode, path, headers, None, decode_body)?;
-        self.decode_leg(decode, Some((leg, endpoint)), deadline).await
+        self.decode_leg(decode, Some(leg), deadline).await
     }
 
     /// vLLM's way: the prefill leg to its end, then the decode leg with its `kv_transfer_params`.
@@ -373,9 +374,9 @@ impl Sidecar {
         let base = format!("http://{endpoint}");
         let request = self.leg_request(&Method::POST, &base, path, headers, Some(rank), prefill_body)?;
         let config = (self.prefill_deadline(deadline), Arc::clone(&self.config));
-        let params = match prefill_leg(self.upstream.clone(), request, config, true).await {
+        let params = match prefill_leg(self.upstream.clone(), request, config, true, None).await {
             Ok(answer) => answer.as_deref().and_then(crate::disagg::legs::kv_transfer_params),
-            Err(Failed::Status { status, body }) if (400..500).contains(&status) => {
+            Err(LegFailure::Status { status, body }) if (400..500).contains(&status) => {
                 let body = body.slice(..body.len().min(MAX_REFLECTED_BYTES));
                 return Ok(crate::disagg::legs::client_error(status, body));
             }
@@ -405,7 +406,7 @@ impl Sidecar {
     async fn decode_leg(
         &self,
         request: hyper::Request<Chunks>,
-        mut prefill: Option<(Leg, String)>,
+        mut prefill: Option<PrefillWatch>,
         deadline: tokio::time::Instant,
     ) -> Result<Response, ApiError> {
         let after = self.config.first_byte_timeout;
@@ -413,17 +414,17 @@ impl Sidecar {
         let send = tokio::time::timeout_at(deadline, self.upstream.send(request));
         tokio::pin!(send);
         let sent = loop {
-            let Some((leg, endpoint)) = prefill.as_mut() else {
+            let Some(leg) = prefill.as_mut() else {
                 break send.as_mut().await;
             };
             tokio::select! {
                 sent = send.as_mut() => break sent,
-                ended = &mut leg.0 => match ended {
+                ended = &mut leg.handle => match ended {
                     // The prefill is done: the decode answer comes next.
-                    Ok(Ok(_)) => prefill = None,
+                    Ok(Ok(())) => prefill = None,
                     // The decode request waits for a room that will never be ready: dropped, it is aborted.
-                    Ok(Err(failed)) => return Ok(failed.answer(endpoint)),
-                    Err(e) => return Err(ApiError::Upstream { endpoint: endpoint.clone(), message: e.to_string() }),
+                    Ok(Err(failed)) => return Ok(failed_answer(failed, &leg.endpoint)),
+                    Err(e) => return Err(ApiError::Upstream { endpoint: leg.endpoint.clone(), message: e.to_string() }),
                 },
             }
         };
@@ -453,10 +454,9 @@ impl Sidecar {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|ct| ct.starts_with("text/event-stream"));
         let body = match prefill {
-            Some((leg, endpoint)) => Body::new(Watched {
+            Some(leg) => Body::new(Watched {
                 inner: incoming,
                 leg: Some(leg),
-                endpoint,
                 scanner: UsageScanner::new(sse),
                 sse,
                 done: false,
