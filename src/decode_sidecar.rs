@@ -9,8 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use dprouter_gateway::disagg::sidecar::{serve, SidecarConfig};
-use dprouter_gateway::disagg::trust::PrefillAllow;
+use dprouter_gateway::decode_sidecar::{serve, PrefillAllow, SidecarConfig};
 use dprouter_gateway::Backend;
 
 use crate::mock_engine::shutdown_signal;
@@ -100,7 +99,7 @@ pub fn run(args: DecodeSidecarArgs) -> anyhow::Result<ExitCode> {
             .map_or(first_byte / 2, |ms| Duration::from_millis(ms).min(first_byte)),
         idle_timeout: Duration::from_millis(args.stream_idle_timeout_ms),
     };
-    let runtime = dprouter_gateway::common::runtime::build().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await

@@ -33,7 +33,7 @@ pub fn run(args: EppArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.fleet.gateway_config()?;
     config.listen = args.http_listen;
     config.validate()?;
-    let runtime = dprouter_gateway::common::runtime::build().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         let tracing = start_tracing(&config)?;
         embed_an_engine_if_no_worker(&mut config).await?;

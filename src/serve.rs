@@ -213,7 +213,7 @@ const EMBEDDED_PRESET: &str = "h100-8b";
 
 pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut config = args.gateway_config()?;
-    let runtime = dprouter_gateway::common::runtime::build().context("starting the async runtime")?;
+    let runtime = dprouter_gateway::runtime::build().context("starting the async runtime")?;
     runtime.block_on(async move {
         let tracing = start_tracing(&config)?;
         embed_an_engine_if_no_worker(&mut config).await?;

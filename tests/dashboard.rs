@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use common::{client, eventually, get, read, send, Proc};
-use dprouter_gateway::observe::telemetry;
+use dprouter_gateway::telemetry;
 use hyper::StatusCode;
 use serde_json::{json, Value};
 

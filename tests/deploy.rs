@@ -445,7 +445,7 @@ fn each_prefill_decode_pool_is_found_by_its_gateway_in_both_roles() {
 /// (and the prefill Pods, for the KV transfer) reach the decode Pods.
 #[test]
 fn the_decode_sidecar_runs_with_an_allow_list_and_only_the_gateway_reaches_it() {
-    use dprouter_gateway::disagg::trust::PrefillAllow;
+    use dprouter_gateway::decode_sidecar::PrefillAllow;
     let objects = objects();
     let deployment = get(&objects, "Deployment", "vllm-llama-decode-sidecar");
     let template = &deployment["spec"]["template"];

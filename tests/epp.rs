@@ -333,7 +333,7 @@ async fn envoy_talks_to_the_picker_over_mutual_tls() {
         check_route(&reply, &engines);
     }
     // A plaintext client is closed without an HTTP/2 answer (at most a TLS alert). Without a client certificate,
-    // the handshake fails: `dprouter_gateway::http::tls`'s unit test.
+    // the handshake fails: the gateway's `http::tls` unit test.
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut plain = tokio::net::TcpStream::connect(&picker.grpc).await.unwrap();
     plain

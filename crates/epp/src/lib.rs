@@ -17,9 +17,7 @@ pub mod protocol;
 use std::future::Future;
 use std::sync::Arc;
 
-use dprouter_gateway::api::server::{control_router, Background};
-use dprouter_gateway::http::listener::{self, Protocol};
-use dprouter_gateway::AppState;
+use dprouter_gateway::front_end::{control_router, listen, tls_acceptor, AppState, Background, Protocol, HTTP2};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{ExternalProcessorServer, SERVICE_NAME};
 use tokio::net::TcpListener;
 use tonic_health::ServingStatus;
@@ -82,7 +80,7 @@ pub async fn run(
         let deadline = state.drain_deadline.clone();
         let router = control_router(Arc::clone(&state));
         let stop = stop(stopped.clone());
-        tokio::spawn(async move { listener::run(http, Protocol::Http1, router, &config, None, &deadline, stop).await })
+        tokio::spawn(async move { listen(http, Protocol::Http1, router, &config, None, &deadline, stop).await })
     };
     let picker = ExternalProcessorServer::new(Picker::new(Arc::clone(&state), options.fallbacks))
         .max_decoding_message_size(max_message_bytes(state.config.max_body_bytes));
@@ -92,9 +90,8 @@ pub async fn run(
         .into_axum_router();
     let config = state.config.server.clone();
     // TLS (mutual with `tls_client_ca_file`) on the gRPC port only: the HTTP side answers probes and scrapes.
-    let tls = dprouter_gateway::http::tls::acceptor(&config, dprouter_gateway::http::tls::HTTP2)
-        .map_err(std::io::Error::other)?;
-    let server = listener::run(
+    let tls = tls_acceptor(&config, HTTP2).map_err(std::io::Error::other)?;
+    let server = listen(
         grpc,
         Protocol::Http2,
         grpc_router,

@@ -5,6 +5,11 @@
 //!
 //! Start in-process: `let state = AppState::new(config).await?; serve(listener, state, shutdown).await`.
 //!
+//! Outside the crate, its surface is small: the configuration ([`config`]), the state and [`serve`], the surface
+//! other front ends build on ([`front_end`], the Endpoint Picker's), the decode sidecar ([`decode_sidecar`]), the
+//! metric names ([`telemetry`]), and the client towards engines ([`upstream`]); the folders below are the crate's
+//! own.
+//!
 //! The crate's folders, one concern each, in layers: each imports only from the folders before it in this list
 //! (`tests/layers.rs` holds the list and fails when a folder imports a later one), so the crate reads bottom-up:
 //!
@@ -24,21 +29,43 @@
 //! 12. [`disagg`]: a disaggregated request's two legs under `serve`, and the decode sidecar for a picker.
 //! 13. [`api`]: the routes, the inference handler, stored Responses, the admin API and `serve`.
 
-pub mod admission;
-pub mod api;
-pub mod background;
-pub mod common;
+mod admission;
+mod api;
+mod background;
+mod common;
 pub mod config;
-pub mod disagg;
-pub mod discovery;
-pub mod fleet;
-pub mod http;
-pub mod kv_feeds;
-pub mod observe;
-pub mod pipeline;
-pub mod state;
+mod disagg;
+mod discovery;
+mod fleet;
+mod http;
+mod kv_feeds;
+mod observe;
+mod pipeline;
+mod state;
 
+pub use api::front_end;
 pub use api::server::{router, serve};
 pub use common::error::ApiError;
+pub use common::runtime;
 pub use config::{Backend, GatewayConfig, RankField, Role, WorkerConfig};
+pub use observe::telemetry;
 pub use state::{AppState, StartError};
+
+/// The decode sidecar (`dprouter decode-sidecar`), a front end of its own: the prefill leg beside a decode server.
+pub mod decode_sidecar {
+    pub use crate::disagg::sidecar::{serve, SidecarConfig};
+    pub use crate::disagg::trust::PrefillAllow;
+}
+
+/// The client towards the engines, as the gateway sends to them, for tools and tests that talk to engines (or to
+/// the Kubernetes API) the same way.
+pub mod upstream {
+    pub use crate::fleet::upstream::{Chunks, Upstream};
+    pub use crate::http::tls::client_config;
+}
+
+/// Kubernetes discovery on its own (what `[[discovery.kubernetes]]` runs), for tests against a stand-in API
+/// server.
+pub mod kubernetes {
+    pub use crate::discovery::kubernetes::{run, Api};
+}

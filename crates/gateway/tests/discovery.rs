@@ -10,8 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::api_server::ApiServer;
 use dprouter_gateway::config::discovery::{DnsSource, Found, KubernetesSource, WorkerTemplate};
-use dprouter_gateway::discovery::kubernetes::{self, Api};
-use dprouter_gateway::fleet::upstream::{Chunks, Upstream};
+use dprouter_gateway::kubernetes::{self, Api};
+use dprouter_gateway::upstream::{Chunks, Upstream};
 use dprouter_gateway::{AppState, Backend, GatewayConfig};
 use hyper::{Method, Request, StatusCode};
 use serde_json::{json, Value};
@@ -350,7 +350,7 @@ async fn call(
 }
 
 fn client() -> Upstream {
-    let tls = dprouter_gateway::http::tls::client_config(None, "ca").unwrap();
+    let tls = dprouter_gateway::upstream::client_config(None, "ca").unwrap();
     Upstream::new(Duration::from_secs(2), Duration::from_secs(5), tls)
 }
 

@@ -217,17 +217,17 @@ async fn shutdown_during_a_large_sync_is_not_held_up() {
     );
 }
 
-type Client = dprouter_gateway::fleet::upstream::Upstream;
+type Client = dprouter_gateway::upstream::Upstream;
 
 fn client() -> Client {
-    let tls = dprouter_gateway::http::tls::client_config(None, "ca").unwrap();
+    let tls = dprouter_gateway::upstream::client_config(None, "ca").unwrap();
     Client::new(Duration::from_secs(2), Duration::from_secs(5), tls)
 }
 
 async fn post(client: &Client, url: &str, body: &Value) -> u16 {
     let request = hyper::Request::post(url)
         .header("content-type", "application/json")
-        .body(dprouter_gateway::fleet::upstream::Chunks::new([bytes::Bytes::from(
+        .body(dprouter_gateway::upstream::Chunks::new([bytes::Bytes::from(
             body.to_string(),
         )]))
         .unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use bytes::Bytes;
-use dprouter_gateway::fleet::upstream::{Chunks, Upstream};
+use dprouter_gateway::upstream::{Chunks, Upstream};
 use dprouter_gateway::{AppState, Backend, GatewayConfig, WorkerConfig};
 use serde_json::{json, Map, Value};
 
@@ -43,7 +43,7 @@ async fn gateway(engine: &str) -> String {
 
 /// What the engine got for a chat sent with `headers`.
 async fn engine_saw(gateway: &str, headers: &[(&str, &str)]) -> Value {
-    let tls = dprouter_gateway::http::tls::client_config(None, "ca").unwrap();
+    let tls = dprouter_gateway::upstream::client_config(None, "ca").unwrap();
     let client = Upstream::new(Duration::from_secs(2), Duration::from_secs(5), tls);
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
     let mut request =

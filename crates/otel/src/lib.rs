@@ -1,7 +1,7 @@
 //! OpenTelemetry for dprouter: its trace settings, the OTLP exporter behind a bounded queue, and the `tracing`
 //! layer that turns the gateway's spans into OpenTelemetry spans.
 //!
-//! The gateway makes its spans with `tracing` under the target [`SPAN_TARGET`] (`dprouter_gateway::observe::spans`); the
+//! The gateway makes its spans with `tracing` under the target [`SPAN_TARGET`] (the gateway's `observe::spans`); the
 //! layer of a running [`Tracing`] is the only one that records them, through `tracing-opentelemetry`, into a tracer
 //! provider with the configured sampler, whose one processor is [`queue::Queue`]: spans never wait for the
 //! collector, and what cannot be sent is dropped and counted. The exporter is `opentelemetry-otlp`'s, over gRPC

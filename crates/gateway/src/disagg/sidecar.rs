@@ -75,8 +75,6 @@ pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
 pub const OLD_PREFILLER_HEADER: &str = "x-llm-d-prefiller-host-port";
 /// The prefill endpoint's DP rank, which dprouter's picker names for a vLLM prefill leg.
 pub const PREFILL_RANK_HEADER: &str = "x-dprouter-prefill-dp-rank";
-/// Every header that steers the prefill leg: a picker never passes a client's copy on.
-pub const PREFILL_HEADERS: [&str; 3] = [PREFILLER_HEADER, OLD_PREFILLER_HEADER, PREFILL_RANK_HEADER];
 
 /// The response header that says the answer is the prefill leg's failure (value `prefill`), so that a picker
 /// counts it against the prefill endpoint rather than the decode one.

@@ -25,7 +25,7 @@ use tokio::sync::watch;
 
 use crate::common::throttled::clip;
 use crate::config::discovery::{Found, KubernetesSource, Watched, WorkerTemplate, SERVICE_ACCOUNT_DIR};
-pub use crate::discovery::kubernetes_objects::{pod_address, pod_workers, slice_addresses, PoolSpec};
+pub use crate::discovery::kubernetes_objects::{pod_workers, slice_addresses, PoolSpec};
 use crate::discovery::kubernetes_objects::{EndpointSlice, Lenient, List, Meta, Object, Pod, Pool};
 use crate::fleet::upstream::{error_chain, Chunks, Upstream};
 

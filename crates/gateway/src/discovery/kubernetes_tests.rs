@@ -2,6 +2,7 @@
 //! LIST and WATCH loop is tested against a stand-in API server in `tests/discovery.rs`.
 
 use super::*;
+use crate::discovery::kubernetes_objects::pod_address;
 use serde_json::json;
 
 #[test]

@@ -65,6 +65,15 @@ impl Routed {
             .is_none_or(|m| self.membership.targets[rank].serves(m))
     }
 
+    /// The request was served at `rank` rather than where it was sent (a data plane's fallback, which takes no
+    /// rank): the ticket moves there, so that the policy learns where the prompt went. Refused when `rank` cannot
+    /// take it now (its feedback is then lost, and its load released with it).
+    pub fn served_at(mut self, rank: usize) -> Result<Self, dprouter_core::RouteError> {
+        let now = crate::common::clock::now_us();
+        self.ticket = self.ticket.reroute(&self.membership.snapshot, &|r| r == rank, now)?;
+        Ok(self)
+    }
+
     /// The prefill leg's target, for a disaggregated request.
     pub fn prefill_target(&self) -> Option<&Target> {
         let pair = self.pair.as_ref()?;

@@ -9,7 +9,7 @@
 //!
 //! The request's headers are held until its body has ended (bounded in size and time as `serve` bounds bodies,
 //! and its bytes in the budget of all bodies arriving at once, `max_buffered_body_bytes`); then the request is
-//! routed exactly as `serve` routes it ([`dprouter_gateway::pipeline::routing::route`]: the same parser, prompt keys, model
+//! routed exactly as `serve` routes it ([`dprouter_gateway::front_end::route`]: the same parser, prompt keys, model
 //! checks, policies and ticket), and the replies go out in the order Envoy needs: the headers' (destination, rank
 //! header, cleared route cache), then the body as the chosen endpoint must get it (the client's rank overrides
 //! out, SGLang's `routed_dp_rank` in) in chunks, then the trailers'. The response streams
@@ -22,21 +22,9 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
-use bytes::Bytes;
-use dprouter_gateway::admission::body_reader::BodyReader;
-use dprouter_gateway::admission::clients::Client;
-use dprouter_gateway::api::{proxy, server};
-use dprouter_gateway::common::error::add_ids;
-use dprouter_gateway::disagg::{legs, sidecar};
-use dprouter_gateway::fleet::registry::{Membership, Target};
-use dprouter_gateway::observe::access::Exchange;
-use dprouter_gateway::observe::spans::RequestSpan;
-use dprouter_gateway::observe::trace_context;
-use dprouter_gateway::pipeline::body::Feedback;
-use dprouter_gateway::pipeline::engine_headers;
-use dprouter_gateway::pipeline::outcome::{self, Attempt, Outcome};
-use dprouter_gateway::pipeline::routing::{self, Routed, RANK_HEADER};
-use dprouter_gateway::{ApiError, AppState};
+use dprouter_gateway::front_end::{
+    self as gateway, add_ids, ApiError, AppState, BodyReader, Client, Exchange, Feedback, RequestSpan, Routed, Target,
+};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
@@ -45,6 +33,11 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Status, Streaming};
 
 use crate::protocol::{self, Allowed};
+
+mod response;
+mod routing;
+
+pub use routing::address;
 
 /// The Endpoint Picker's ext_proc service over the gateway's state.
 #[derive(Clone)]
@@ -72,7 +65,7 @@ impl ExternalProcessor for Picker {
         let (tx, rx) = mpsc::channel(8);
         // The data plane's own span for this call (Envoy's, when it traces), which the picker's span joins.
         let mut grpc_trace = HeaderMap::new();
-        for name in [trace_context::TRACEPARENT, trace_context::TRACESTATE] {
+        for name in [gateway::TRACEPARENT, gateway::TRACESTATE] {
             if let Some(v) = request.metadata().get(name.as_str()).and_then(|v| v.to_str().ok()) {
                 if let Ok(v) = HeaderValue::from_str(v) {
                     grpc_trace.insert(name, v);
@@ -88,21 +81,6 @@ impl ExternalProcessor for Picker {
         tokio::spawn(stream.run(request.into_inner()));
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
     }
-}
-
-/// `ip:port` of a target, for the data plane (its worker URL's host must be an IP address: Envoy's original
-/// destination cluster connects to what the header says, unresolved).
-pub fn address(target: &Target) -> Option<SocketAddr> {
-    let rest = target
-        .base
-        .strip_prefix("http://")
-        .or_else(|| target.base.strip_prefix("https://"))?;
-    let authority = rest.split('/').next()?;
-    authority.parse().ok().or_else(|| {
-        let ip: std::net::IpAddr = authority.trim_matches(['[', ']']).parse().ok()?;
-        let port = if target.base.starts_with("https://") { 443 } else { 80 };
-        Some(SocketAddr::new(ip, port))
-    })
 }
 
 /// One HTTP request's ext_proc stream.
@@ -248,20 +226,17 @@ impl Stream {
     /// The request's span, joining the data plane's (its gRPC call's `traceparent`) or else the client's.
     fn start_span(&self, method: &str, route: &str, headers: &HeaderMap) {
         let mut parent = headers.clone();
-        let grpc = self.grpc_trace.get(trace_context::TRACEPARENT);
+        let grpc = self.grpc_trace.get(gateway::TRACEPARENT);
         if grpc
             .and_then(|v| v.to_str().ok())
-            .and_then(trace_context::traceparent)
+            .and_then(gateway::traceparent)
             .is_some()
         {
-            parent.remove(trace_context::TRACESTATE);
+            parent.remove(gateway::TRACESTATE);
             parent.extend(self.grpc_trace.clone());
         }
         let _ = self.trace.span.set(RequestSpan::start(method, route, &parent));
-        if let Some(id) = headers
-            .get(dprouter_gateway::common::names::REQUEST_ID)
-            .and_then(|v| v.to_str().ok())
-        {
+        if let Some(id) = headers.get(gateway::REQUEST_ID).and_then(|v| v.to_str().ok()) {
             let _ = self.trace.request_id.set(id.to_string());
         }
     }
@@ -302,21 +277,16 @@ impl Stream {
                             "ext_proc: request headers without :method or :path",
                         )));
                     };
-                    // The head's limits are `serve`'s (Envoy's pseudo-headers aside).
+                    // The head is admitted as `serve` admits it (Envoy's pseudo-headers aside), and who calls is
+                    // known before its body is held.
                     let sizes = headers.iter().filter(|(n, _)| !n.starts_with(':'));
-                    server::check_header_sizes(sizes.map(|(n, v)| (n.len(), v.len()))).map_err(End::Answer)?;
-                    let route = server::public_route(method, path);
+                    let sizes = sizes.map(|(n, v)| (n.len(), v.len()));
                     let map = header_map(&headers);
-                    let traced = route.as_ref().map_or("unmatched", |r| r);
-                    if server::is_traced(traced) {
-                        self.start_span(method, traced, &map);
-                    }
-                    route.map_err(End::Answer)?;
-                    first_byte = proxy::first_byte_timeout(&state, &map).map_err(End::Answer)?;
-                    // Who calls, before its body is held.
-                    let client = state.clients.admit(&map).map_err(End::Answer)?;
+                    let traced = |route| self.start_span(method, route, &map);
+                    let head = gateway::admit_head(&state, (method, path), &map, sizes, traced).map_err(End::Answer)?;
+                    first_byte = head.first_byte;
                     let arriving = Arriving {
-                        client,
+                        client: head.client,
                         subset: protocol::subset_hint(metadata),
                         headers,
                         body: BodyReader::new(&state.bodies, config.max_body_bytes, None),
@@ -351,7 +321,7 @@ impl Stream {
                 (Phase::Body(_), other) => return Err(out_of_turn(kind(&other), "while the request body arrives")),
                 // The body ended: a chunk after its end breaks the protocol (it would reach the engine unrouted).
                 (Phase::Sent(_) | Phase::Response(_), Message::RequestBody(_)) => {
-                    dprouter_gateway::observe::refusals::refused("late_body", || {
+                    gateway::refused("late_body", || {
                         "an ext_proc request body chunk after the body's end refused (INVALID_ARGUMENT)".into()
                     });
                     return Err(out_of_turn("request body", "after the body's end"));
@@ -415,7 +385,7 @@ impl Stream {
     }
 
     /// The phase's deadline passed: how the stream ends.
-    fn expired(&self, phase: Phase, config: &dprouter_gateway::GatewayConfig) -> End {
+    fn expired(&self, phase: Phase, config: &gateway::GatewayConfig) -> End {
         match phase {
             Phase::Open => End::Grpc(Status::deadline_exceeded(format!(
                 "ext_proc: no request headers within header_read_timeout_ms ({})",
@@ -430,8 +400,8 @@ impl Stream {
                 let label = sent.target.label();
                 tracing::warn!(endpoint = %label, "no response headers within first_byte_timeout_ms");
                 if let Some(routed) = &sent.routed {
-                    let attempt = Attempt::at(&sent.target, Some(routed.ticket.pick.branch));
-                    outcome::record(&self.picker.state.registry, attempt, Outcome::NoHead);
+                    let attempt = gateway::Attempt::at(&sent.target, Some(routed.ticket.pick.branch));
+                    gateway::record(&self.picker.state.registry, attempt, gateway::Outcome::NoHead);
                 }
                 End::Grpc(Status::deadline_exceeded(format!(
                     "ext_proc: no response headers from {label} within first_byte_timeout_ms"
@@ -441,232 +411,6 @@ impl Stream {
                 "ext_proc: the response went stream_idle_timeout_ms ({}) without a message",
                 config.stream_idle_timeout_ms
             ))),
-        }
-    }
-
-    /// Routes the request whose headers and body have arrived and sends the replies to its headers and body
-    /// (`trailers`: trailers follow, the body's last chunk does not end the stream). A request of a method that
-    /// takes no body (a GET) goes to the least loaded endpoint allowed, with no ticket (there is no prompt to learn
-    /// from); its body, if it had one, goes on unchanged.
-    async fn route(&self, arriving: Arriving, trailers: bool) -> Result<Sent, End> {
-        let Arriving {
-            client,
-            headers,
-            subset,
-            body,
-        } = arriving;
-        let keyed = client.is_some();
-        let state = &self.picker.state;
-        let path = protocol::header(&headers, ":path").unwrap_or("/").to_string();
-        let takes_body = protocol::header(&headers, ":method") == Some("POST");
-        let header_map = header_map(&headers);
-        let subset = subset.as_deref();
-        let allowed = |t: &Target| address(t).is_some_and(|a| subset.is_none_or(|s| s.iter().any(|x| x.contains(a))));
-        if subset.is_some_and(<[Allowed]>::is_empty) {
-            return Err(End::Answer(ApiError::Unavailable(
-                "the data plane's subset hint allows no endpoint".into(),
-            )));
-        }
-        // The body is routed (or refused) now: it no longer counts as arriving.
-        let body = body.finish();
-        if !takes_body {
-            let membership = state.registry.membership();
-            let rank = least_loaded(&membership, &allowed).ok_or(End::Answer(ApiError::Route(
-                dprouter_core::RouteError::NoHealthyEndpoint,
-            )))?;
-            let target = membership.targets[rank].clone();
-            let address = address(&target).ok_or(End::Gone)?;
-            let (mut set, remove) = rank_headers(&target, None, &headers, keyed);
-            self.trace_header(&mut set);
-            self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
-                .await?;
-            if !body.is_empty() {
-                for chunk in protocol::request_body_chunks(vec![body], trailers) {
-                    self.send(chunk).await?;
-                }
-            }
-            return Ok(Sent {
-                routed: None,
-                address,
-                target,
-                offered: vec![address],
-            });
-        }
-        routing::check_content_type(&header_map).map_err(End::Answer)?;
-        // Routing may wait in flow control's queue: a data plane that closes the stream meanwhile (its client went
-        // away) takes the request out of it.
-        let routed = tokio::select! {
-            routed = routing::route(state, (&path, &header_map), body, client, &allowed) => routed.map_err(End::Answer)?,
-            () = self.tx.closed() => return Err(End::Gone),
-        };
-        let target = routed.target().clone();
-        let address = address(&target).ok_or(End::Gone)?;
-        let (pieces, rank_header) = routed.upstream_body(&target, &path);
-        let length: usize = pieces.iter().map(Bytes::len).sum();
-        let (mut set, mut remove) = rank_headers(&target, rank_header.map(|(_, r)| r), &headers, keyed);
-        set.push(protocol::set_header("content-length", length.to_string()));
-        if let Some(prefill) = routed.prefill_target() {
-            // A disaggregated request goes to its decode endpoint, whose sidecar runs the prefill leg there
-            // (`dprouter decode-sidecar`, or llm-d's): SGLang's bootstrap fields are in the body already.
-            let at = self::address(prefill).ok_or(End::Gone)?;
-            set.push(protocol::set_header(sidecar::PREFILLER_HEADER, at.to_string()));
-            set.push(protocol::set_header(
-                sidecar::PREFILL_RANK_HEADER,
-                prefill.id.dp_rank.to_string(),
-            ));
-            remove.retain(|name| name != sidecar::PREFILLER_HEADER && name != sidecar::PREFILL_RANK_HEADER);
-        }
-        self.trace_header(&mut set);
-        let offered = self.destination(&routed, &target, address, &allowed);
-        let destination = offered.iter().map(SocketAddr::to_string).collect::<Vec<_>>().join(",");
-        self.send(protocol::request_headers_reply(&destination, set, remove))
-            .await?;
-        for chunk in protocol::request_body_chunks(pieces, trailers) {
-            self.send(chunk).await?;
-        }
-        Ok(Sent {
-            routed: Some(routed),
-            address,
-            target,
-            offered,
-        })
-    }
-
-    /// The addresses for the destination header: the chosen endpoint, then fallbacks where no rank is injected (a
-    /// rank chosen for one endpoint never goes to another): other workers' endpoints, routable and allowed, that
-    /// take no rank either.
-    fn destination(
-        &self,
-        routed: &Routed,
-        target: &Target,
-        chosen: SocketAddr,
-        allowed: &dyn Fn(&Target) -> bool,
-    ) -> Vec<SocketAddr> {
-        let mut out = vec![chosen];
-        if self.picker.fallbacks > 0 && !routing::injects_rank(target) {
-            let membership = &routed.membership;
-            for &rank in membership.snapshot.healthy() {
-                if out.len() > self.picker.fallbacks {
-                    break;
-                }
-                let other = &membership.targets[rank];
-                // A fallback must take the same key: the headers carry the chosen worker's.
-                if other.id.worker == target.id.worker
-                    || other.auth != target.auth
-                    || routing::injects_rank(other)
-                    || !routed.serving(rank)
-                    || !allowed(other)
-                {
-                    continue;
-                }
-                if let Some(a) = address(other).filter(|a| !out.contains(a)) {
-                    out.push(a);
-                }
-            }
-        }
-        out
-    }
-
-    /// The response's head: which endpoint served (the data plane's word when it gives it), its health, and the
-    /// feedback that reads the response's bytes.
-    fn response_headers(
-        &self,
-        sent: &mut Sent,
-        headers: &[(String, Vec<u8>)],
-        metadata: Option<&envoy_types::pb::envoy::config::core::v3::Metadata>,
-        received: Instant,
-    ) -> (ProcessingResponse, Option<Feedback>) {
-        let state = &self.picker.state;
-        let status: u16 = protocol::header(headers, ":status")
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0);
-        let _ = self.trace.status.set(status);
-        let served = protocol::served(metadata).filter(|a| *a != sent.address);
-        let believed = served.is_none_or(|a| sent.offered.contains(&a));
-        match served {
-            Some(served) if believed => self.served_elsewhere(sent, served),
-            Some(served) => dprouter_gateway::observe::refusals::refused("served_elsewhere", || {
-                format!(
-                    "the data plane says {served} served a request the picker sent to {} (not offered on its stream): \
-                     its outcome counts for no endpoint",
-                    sent.address
-                )
-            }),
-            None => {}
-        }
-        let label = sent.target.label();
-        let branch = sent.routed.as_ref().map(|r| r.ticket.pick.branch);
-        // A decode sidecar that answers for its prefill leg's failure says so: that leg's endpoint failed.
-        let prefill_failed = protocol::header(headers, sidecar::FAILED_LEG_HEADER) == Some("prefill");
-        let prefill = sent.routed.as_ref().and_then(|r| {
-            let ticket = r.pair.as_ref()?.ticket.as_ref()?;
-            Some((r.prefill_target()?, ticket.pick.branch))
-        });
-        // Not believed: neither the choice (the data plane says another served) nor the endpoint it names (never
-        // offered) is told anything.
-        if believed {
-            let attempt = match prefill.filter(|_| prefill_failed && status >= 500) {
-                Some((target, branch)) => Attempt::at(target, Some(branch)),
-                None => Attempt::at(&sent.target, branch),
-            };
-            outcome::record(&state.registry, attempt, Outcome::Answered(status));
-        }
-        let sse = protocol::header(headers, "content-type").is_some_and(|ct| ct.starts_with("text/event-stream"));
-        let mut set = vec![protocol::set_header(protocol::ENDPOINT_HEADER, label.clone())];
-        if let Some(prefill) = sent.routed.as_ref().and_then(Routed::prefill_target) {
-            set.push(protocol::set_header(legs::PREFILL_ENDPOINT_HEADER, prefill.label()));
-        }
-        let feedback = sent.routed.take().map(|mut routed| {
-            let prefill = routed.pair.as_mut().and_then(|pair| pair.ticket.take());
-            let exchange = Exchange::new();
-            exchange.routed(dprouter_gateway::observe::access::Routing {
-                endpoint: label.clone(),
-                rank: sent.target.id.dp_rank,
-                policy: state.policies.default_policy().name(),
-                branch: routed.ticket.pick.branch.as_str(),
-                model: routed.served.clone().or(routed.model.clone()),
-                retries: 0,
-            });
-            let remember = routed.remember(status);
-            let _ = self.trace.exchange.set(exchange.clone());
-            let feedback = Feedback::new(routed.ticket, sse, received, exchange).with_prefill_leg(prefill);
-            match remember {
-                Some(owner) => feedback.remembering_the_response(Arc::clone(&state.responses), owner),
-                None => feedback,
-            }
-        });
-        let reply = protocol::response_headers_reply(set);
-        (reply, feedback)
-    }
-
-    /// The data plane sent the request to `served` (a fallback): the ticket moves there, so the policy learns
-    /// where the prompt really went (only fallbacks, which take no rank, can differ from the choice).
-    fn served_elsewhere(&self, sent: &mut Sent, served: SocketAddr) {
-        let Some(routed) = sent.routed.take() else { return };
-        let membership = Arc::clone(&routed.membership);
-        let found = membership
-            .targets
-            .iter()
-            .position(|t| !routing::injects_rank(t) && address(t) == Some(served));
-        let Some(rank) = found else {
-            tracing::warn!(%served, chosen = %sent.address, "the data plane served a request on an endpoint the picker does not know");
-            sent.routed = Some(routed);
-            return;
-        };
-        let mut routed = routed;
-        match routed.ticket.reroute(
-            &membership.snapshot,
-            &|r| r == rank,
-            dprouter_gateway::common::clock::now_us(),
-        ) {
-            Ok(ticket) => {
-                routed.ticket = ticket;
-                sent.target = membership.targets[rank].clone();
-                sent.address = served;
-                sent.routed = Some(routed);
-            }
-            // The endpoint that served is not routable now: the request's feedback is lost, its load released.
-            Err(e) => tracing::debug!(%served, error = %e, "the served endpoint cannot take the ticket"),
         }
     }
 }
@@ -688,59 +432,6 @@ fn undecodable(status: Status) -> End {
         Code::Internal => End::Grpc(Status::invalid_argument(status.message())),
         _ => End::Gone,
     }
-}
-
-/// The headers to set and remove so that the endpoint gets the client's headers by the one rule `serve` follows
-/// (`dprouter_gateway::pipeline::engine_headers`: every other client header removed, the data plane's own kept),
-/// its rank the way its backend reads it (`rank`, a header), never the client's, and its own key (never a `keyed`
-/// client's). With `accept-encoding` removed the answer comes uncompressed: usage reports stay visible.
-fn rank_headers(
-    target: &Target,
-    rank: Option<u32>,
-    client: &[(String, Vec<u8>)],
-    keyed: bool,
-) -> (
-    Vec<envoy_types::pb::envoy::config::core::v3::HeaderValueOption>,
-    Vec<String>,
-) {
-    let rank = rank.or_else(|| {
-        // A request without a body still reaches the rank the policy chose.
-        matches!(target.backend, dprouter_gateway::Backend::Vllm).then_some(target.id.dp_rank)
-    });
-    let mut set = Vec::new();
-    // The picker's own (set by it, or Envoy's destination) are never removed.
-    let own = |name: &str| {
-        name == protocol::DESTINATION || name == "content-length" || (rank.is_some() && name == RANK_HEADER)
-    };
-    let mut remove: Vec<String> = Vec::new();
-    for (name, _) in client.iter().filter(|(n, _)| !n.starts_with(':')) {
-        let dropped = !engine_headers::reaches_engine(name) && !engine_headers::data_planes(name) && !own(name);
-        if dropped && !remove.contains(name) {
-            remove.push(name.clone());
-        }
-    }
-    if let Some(rank) = rank {
-        set.push(protocol::set_header(RANK_HEADER, rank.to_string()));
-    }
-    // The worker's own key, else the client's as it came unless the client was keyed (a client's key never
-    // reaches an engine), as `serve` sends it.
-    match &target.auth {
-        Some(own) => set.push(protocol::set_header("authorization", own.as_bytes())),
-        None if keyed && protocol::header(client, "authorization").is_some() => remove.push("authorization".into()),
-        None => {}
-    }
-    (set, remove)
-}
-
-/// The routable endpoint with the fewest requests in flight among those `allowed`.
-fn least_loaded(membership: &Membership, allowed: &dyn Fn(&Target) -> bool) -> Option<usize> {
-    membership
-        .snapshot
-        .healthy()
-        .iter()
-        .copied()
-        .filter(|&r| allowed(&membership.targets[r]))
-        .min_by_key(|&r| membership.snapshot.load(r).in_flight_requests())
 }
 
 /// The request's headers as the gateway reads them (pseudo-headers left out).
