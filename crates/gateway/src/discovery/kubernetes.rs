@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
 use http_body_util::BodyExt;
 use hyper::{Request, StatusCode};
 use serde::Deserialize;
@@ -26,7 +25,8 @@ use tokio::sync::watch;
 use crate::common::throttled::clip;
 use crate::config::discovery::{Found, KubernetesSource, Watched, WorkerTemplate, SERVICE_ACCOUNT_DIR};
 pub use crate::discovery::kubernetes_objects::{pod_workers, slice_addresses, PoolSpec};
-use crate::discovery::kubernetes_objects::{EndpointSlice, Lenient, List, Meta, Object, Pod, Pool};
+use crate::discovery::kubernetes_objects::{EndpointSlice, Lenient, List, Object, Pod, Pool};
+use crate::discovery::kubernetes_watch::{parse_event, Change, Event, Lines, Objects};
 use crate::fleet::upstream::{error_chain, Chunks, Upstream};
 
 /// The largest LIST page read.
@@ -41,8 +41,6 @@ pub const MAX_LIST_PAGES: usize = 1_000;
 /// A collection's changes are published at most this often: a burst of watch events (or a LIST) is one change of
 /// membership, not one per event.
 const PUBLISH_EVERY: Duration = Duration::from_millis(100);
-/// The largest watch event (one object) read.
-const MAX_EVENT_BYTES: usize = 16 << 20;
 /// How long the server keeps a watch open before it ends it (the client watches again).
 const WATCH_SECONDS: u64 = 290;
 /// A watch silent this long is given up (bookmarks come about every minute; the server ends it after
@@ -345,142 +343,6 @@ fn encode(value: &str) -> String {
             _ => format!("%{b:02X}"),
         })
         .collect()
-}
-
-/// One watch event.
-#[derive(Debug, Clone, PartialEq)]
-enum Event<T> {
-    Added(T),
-    Modified(T),
-    Deleted(T),
-    Bookmark,
-    /// An object of the collection that does not read as `T` (skipped).
-    Unreadable(String),
-    /// The object is a `Status`.
-    Error(Value),
-}
-
-/// A watch event, and the resource version its object carries.
-fn parse_event<T: Object>(line: &[u8]) -> Result<(Event<T>, Option<String>), String> {
-    #[derive(Deserialize)]
-    struct Raw<'a> {
-        #[serde(rename = "type")]
-        kind: Option<String>,
-        #[serde(borrow)]
-        object: Option<&'a serde_json::value::RawValue>,
-    }
-    #[derive(Deserialize)]
-    struct WithMeta {
-        #[serde(default)]
-        metadata: Meta,
-    }
-    let raw: Raw<'_> = serde_json::from_slice(line).map_err(|e| format!("a watch event that is not JSON: {e}"))?;
-    let object = raw.object.map_or("{}", |o| o.get());
-    let kind = raw.kind.as_deref();
-    if kind == Some("ERROR") {
-        let status = serde_json::from_str(object).unwrap_or_default();
-        return Ok((Event::Error(status), None));
-    }
-    let version = serde_json::from_str::<WithMeta>(object)
-        .ok()
-        .and_then(|o| o.metadata.resource_version);
-    let read = || match serde_json::from_str::<T>(object) {
-        Ok(object) => Ok(object),
-        Err(e) => Err(Event::Unreadable(e.to_string())),
-    };
-    let event = match kind {
-        Some("ADDED") => read().map_or_else(|e| e, Event::Added),
-        Some("MODIFIED") => read().map_or_else(|e| e, Event::Modified),
-        Some("DELETED") => read().map_or_else(|e| e, Event::Deleted),
-        Some("BOOKMARK") => Event::Bookmark,
-        other => return Err(format!("a watch event of type {other:?}")),
-    };
-    Ok((event, version))
-}
-
-/// The watch body split into lines, each at most [`MAX_EVENT_BYTES`].
-#[derive(Default)]
-struct Lines {
-    partial: BytesMut,
-}
-
-impl Lines {
-    fn push(&mut self, data: &Bytes) -> Result<Vec<Bytes>, String> {
-        let mut lines = Vec::new();
-        let mut rest = &data[..];
-        while let Some(end) = rest.iter().position(|&b| b == b'\n') {
-            self.partial.extend_from_slice(&rest[..end]);
-            rest = &rest[end + 1..];
-            let line = self.partial.split().freeze();
-            if !line.iter().all(u8::is_ascii_whitespace) {
-                lines.push(line);
-            }
-        }
-        if self.partial.len() + rest.len() > MAX_EVENT_BYTES {
-            return Err(format!("a watch event over {MAX_EVENT_BYTES} bytes"));
-        }
-        self.partial.extend_from_slice(rest);
-        Ok(lines)
-    }
-}
-
-/// What a followed collection did.
-#[derive(Debug, Clone, PartialEq)]
-enum Change<T> {
-    /// A LIST: these are all the objects now.
-    Listed(Vec<T>),
-    Event(Event<T>),
-}
-
-/// The objects of a followed collection by name, each with what it gives (`read`).
-struct Objects<O, F> {
-    by_name: BTreeMap<String, O>,
-    read: F,
-}
-
-impl<O, F> Objects<O, F> {
-    fn new(read: F) -> Self {
-        Self {
-            by_name: BTreeMap::new(),
-            read,
-        }
-    }
-
-    /// Applies `change`; whether what the objects give changed (a LIST always counts: it may be the first). An
-    /// object modified in what discovery does not read (its status's heartbeat, its annotations' other keys), or
-    /// modified again the same, changes nothing, so a watch flooding the same object costs its parsing only.
-    fn apply<T: Object>(&mut self, change: Change<T>) -> bool
-    where
-        F: Fn(&T) -> O,
-        O: PartialEq,
-    {
-        let name = |o: &T| o.meta().name.clone();
-        match change {
-            Change::Listed(items) => {
-                self.by_name = items.iter().filter_map(|o| Some((name(o)?, (self.read)(o)))).collect();
-            }
-            Change::Event(Event::Added(o) | Event::Modified(o)) => {
-                let Some(n) = name(&o) else { return false };
-                let read = (self.read)(&o);
-                if self.by_name.get(&n) == Some(&read) {
-                    return false;
-                }
-                self.by_name.insert(n, read);
-            }
-            Change::Event(Event::Deleted(o)) => {
-                let Some(n) = name(&o) else { return false };
-                if self.by_name.remove(&n).is_none() {
-                    return false;
-                }
-            }
-            Change::Event(Event::Unreadable(e)) => {
-                tracing::debug!(error = %clip(&e), "a watched object that does not read: skipped");
-                return false;
-            }
-            Change::Event(Event::Bookmark | Event::Error(_)) => return false,
-        }
-        true
-    }
 }
 
 /// Follows a collection of `T` (each object giving an `O` through `read`), publishing its objects through

@@ -3,7 +3,10 @@
 
 use super::*;
 use crate::discovery::kubernetes_objects::pod_address;
+use bytes::Bytes;
 use serde_json::json;
+
+use crate::discovery::kubernetes_watch::MAX_EVENT_BYTES;
 
 #[test]
 fn watch_lines_are_split_across_frames_and_bounded() {

@@ -4,3 +4,4 @@
 pub mod dns;
 pub mod kubernetes;
 pub mod kubernetes_objects;
+mod kubernetes_watch;

@@ -4,3 +4,4 @@
 pub mod policies;
 pub mod registry;
 pub mod upstream;
+pub mod worker_state;

@@ -3,6 +3,7 @@
 
 pub mod body;
 pub mod engine_headers;
+pub mod feedback;
 pub mod outcome;
 pub mod pairing;
 pub mod relay;
