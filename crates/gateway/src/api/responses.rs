@@ -56,29 +56,24 @@ pub async fn stored(State(state): State<Arc<AppState>>, request: Request) -> Res
         .iter()
         .find(|t| t.id.worker == home.worker)
         .ok_or_else(|| ApiError::NotFound(format!("the worker that made response `{id}` has been removed")))?;
-    let mut upstream = hyper::Request::builder()
-        .method(request.method().clone())
-        .uri(format!("{}{path_and_query}", target.base));
-    for (name, value) in crate::pipeline::engine_headers::passed(request.headers()) {
-        upstream = upstream.header(name, value);
-    }
-    if let Some(auth) = crate::pipeline::engine_headers::authorization(client.is_some(), target, request.headers()) {
-        upstream = upstream.header(header::AUTHORIZATION, auth);
-    }
     let span = request
         .extensions()
         .get::<crate::observe::spans::RequestSpan>()
         .cloned();
     let attempt = span.map(|s| s.attempt(&target.label(), target.id.dp_rank, 1));
-    let own = attempt
-        .as_ref()
-        .and_then(crate::observe::spans::AttemptSpan::traceparent);
-    for (name, value) in crate::observe::trace_context::propagated(request.headers(), own) {
-        upstream = upstream.header(name, value);
+    let upstream = crate::pipeline::engine_headers::EngineRequest {
+        method: request.method().clone(),
+        url: format!("{}{path_and_query}", target.base),
+        client: request.headers(),
+        traceparent: attempt
+            .as_ref()
+            .and_then(crate::observe::spans::AttemptSpan::traceparent),
+        content_type: None,
+        authorization: crate::pipeline::engine_headers::authorization(client.is_some(), target, request.headers())
+            .cloned(),
+        rank: None,
     }
-    let upstream = upstream
-        .body(crate::fleet::upstream::Chunks::default())
-        .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))?;
+    .build(Vec::new())?;
     let timeout = Duration::from_millis(state.config.first_byte_timeout_ms);
     let (status, headers, bytes) = state
         .upstream

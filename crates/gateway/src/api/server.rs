@@ -446,16 +446,16 @@ async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Resul
             continue;
         }
         asked.push(target.id.worker);
-        let mut request = hyper::Request::get(format!("{}/v1/models", target.base));
-        for (name, value) in crate::pipeline::engine_headers::passed(&headers) {
-            request = request.header(name, value);
+        let request = crate::pipeline::engine_headers::EngineRequest {
+            method: axum::http::Method::GET,
+            url: format!("{}/v1/models", target.base),
+            client: &headers,
+            traceparent: None,
+            content_type: None,
+            authorization: crate::pipeline::engine_headers::authorization(client.is_some(), target, &headers).cloned(),
+            rank: None,
         }
-        if let Some(auth) = crate::pipeline::engine_headers::authorization(client.is_some(), target, &headers) {
-            request = request.header(header::AUTHORIZATION, auth);
-        }
-        let request = request
-            .body(crate::fleet::upstream::Chunks::default())
-            .map_err(|e| ApiError::Unavailable(e.to_string()))?;
+        .build(Vec::new())?;
         match state
             .upstream
             .exchange(request, MODELS_TIMEOUT, crate::fleet::upstream::SMALL_ANSWER_BYTES)

@@ -67,7 +67,7 @@ use crate::disagg::prefill_leg::{LegFailure, PrefillWatch};
 use crate::disagg::sidecar_leg::{failed_answer, prefill_leg, Watched};
 use crate::disagg::trust::{names_ip, without_pairing_fields, PrefillAllow, MAX_REFLECTED_BYTES};
 use crate::fleet::upstream::{error_chain, Chunks, Upstream};
-use crate::pipeline::engine_headers;
+use crate::pipeline::engine_headers::EngineRequest;
 
 /// The header that names a request's prefill endpoint, `ip:port` (llm-d's; a list takes its first).
 pub const PREFILLER_HEADER: &str = "x-prefiller-host-port";
@@ -248,33 +248,20 @@ impl Sidecar {
         rank: Option<Option<HeaderValue>>,
         pieces: Vec<Bytes>,
     ) -> Result<hyper::Request<Chunks>, ApiError> {
-        let mut builder = hyper::Request::builder()
-            .method(method.clone())
-            .uri(format!("{}{path}", base.trim_end_matches('/')));
-        for (name, value) in engine_headers::passed(headers) {
-            builder = builder.header(name, value);
+        let rank = match rank {
+            Some(rank) => rank,
+            None => headers.get(RANK_HEADER).cloned(),
+        };
+        EngineRequest {
+            method: method.clone(),
+            url: format!("{}{path}", base.trim_end_matches('/')),
+            client: headers,
+            traceparent: None,
+            content_type: headers.get(header::CONTENT_TYPE).cloned(),
+            authorization: self.authorization.clone(),
+            rank: rank.map(|rank| (RANK_HEADER, rank)),
         }
-        for (name, value) in crate::observe::trace_context::propagated(headers, None) {
-            builder = builder.header(name, value);
-        }
-        if let Some(value) = headers.get(header::CONTENT_TYPE) {
-            builder = builder.header(header::CONTENT_TYPE, value);
-        }
-        match rank {
-            Some(Some(rank)) => builder = builder.header(RANK_HEADER, rank),
-            Some(None) => {}
-            None => {
-                if let Some(picker) = headers.get(RANK_HEADER) {
-                    builder = builder.header(RANK_HEADER, picker);
-                }
-            }
-        }
-        if let Some(key) = &self.authorization {
-            builder = builder.header(header::AUTHORIZATION, key);
-        }
-        builder
-            .body(Chunks::new(pieces))
-            .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
+        .build(pieces)
     }
 
     /// SGLang's way: both legs at once, paired by the room (`decode_rank`: the client's body's `routed_dp_rank`,

@@ -56,6 +56,49 @@ pub fn authorization<'a>(keyed: bool, target: &'a Target, client: &'a HeaderMap)
     }
 }
 
+/// The one builder of an engine request, for `serve`'s attempts (aggregated, and both legs of a pair) and the
+/// decode sidecar's legs: the client's headers by the rule above, the trace context (`traceparent`: the attempt's
+/// span when tracing is on, else the client's), then what the front end decided: the content type, the engine's
+/// key, the rank header.
+pub(crate) struct EngineRequest<'a> {
+    pub method: axum::http::Method,
+    pub url: String,
+    /// The client's request headers.
+    pub client: &'a HeaderMap,
+    pub traceparent: Option<HeaderValue>,
+    pub content_type: Option<HeaderValue>,
+    pub authorization: Option<HeaderValue>,
+    pub rank: Option<(HeaderName, HeaderValue)>,
+}
+
+impl EngineRequest<'_> {
+    /// The request, its body made of `pieces` (slices of the client's bytes, not a copy).
+    pub(crate) fn build(
+        self,
+        pieces: Vec<bytes::Bytes>,
+    ) -> Result<hyper::Request<crate::fleet::upstream::Chunks>, crate::common::error::ApiError> {
+        let mut builder = hyper::Request::builder().method(self.method).uri(self.url);
+        for (name, value) in passed(self.client) {
+            builder = builder.header(name, value);
+        }
+        for (name, value) in crate::observe::trace_context::propagated(self.client, self.traceparent) {
+            builder = builder.header(name, value);
+        }
+        if let Some(value) = self.content_type {
+            builder = builder.header(header::CONTENT_TYPE, value);
+        }
+        if let Some(auth) = self.authorization {
+            builder = builder.header(header::AUTHORIZATION, auth);
+        }
+        if let Some((name, value)) = self.rank {
+            builder = builder.header(name, value);
+        }
+        builder
+            .body(crate::fleet::upstream::Chunks::new(pieces))
+            .map_err(|e| crate::common::error::ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -18,7 +18,7 @@ use crate::fleet::upstream::{Chunks, UpstreamError};
 use crate::observe::access::Routing;
 use crate::observe::spans::AttemptSpan;
 use crate::pipeline::body::{GatewayTicket, GuardedBody, Timing, Watch};
-use crate::pipeline::engine_headers;
+use crate::pipeline::engine_headers::{self, EngineRequest};
 use crate::pipeline::outcome::{record, Attempt, Outcome};
 use crate::pipeline::retry::Refused;
 use crate::pipeline::routing::Routed;
@@ -36,24 +36,17 @@ pub(crate) fn upstream_request(
     headers: &HeaderMap,
     traceparent: Option<HeaderValue>,
 ) -> Result<hyper::Request<Chunks>, ApiError> {
-    let mut builder = hyper::Request::post(format!("{}{}", target.base, path_and_query))
-        .header(header::CONTENT_TYPE, "application/json");
-    for (name, value) in engine_headers::passed(headers) {
-        builder = builder.header(name, value);
-    }
-    if let Some(auth) = engine_headers::authorization(routed.client.is_some(), target, headers) {
-        builder = builder.header(header::AUTHORIZATION, auth);
-    }
-    for (name, value) in crate::observe::trace_context::propagated(headers, traceparent) {
-        builder = builder.header(name, value);
-    }
     let (pieces, rank_header) = routed.upstream_body(target, path_and_query);
-    if let Some((name, rank)) = rank_header {
-        builder = builder.header(name, rank);
+    EngineRequest {
+        method: axum::http::Method::POST,
+        url: format!("{}{}", target.base, path_and_query),
+        client: headers,
+        traceparent,
+        content_type: Some(HeaderValue::from_static("application/json")),
+        authorization: engine_headers::authorization(routed.client.is_some(), target, headers).cloned(),
+        rank: rank_header.map(|(name, rank)| (name, HeaderValue::from(rank))),
     }
-    builder
-        .body(Chunks::new(pieces))
-        .map_err(|e| ApiError::BadRequest(format!("cannot build the upstream request: {e}")))
+    .build(pieces)
 }
 
 /// An engine's answer, and what the gateway knows of how it came.
