@@ -10,7 +10,7 @@ use std::net::TcpListener;
 use std::process::{Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{call, client, get, post, Proc};
+use common::{call, client, get, post, read, Proc};
 use hyper::{Method, StatusCode};
 use serde_json::{json, Value};
 
@@ -450,4 +450,54 @@ fn each_config_error_is_printed_once() {
     let (status, stderr) = run_to_exit(&["serve", "--config", missing.to_str().unwrap()]);
     assert!(!status.success());
     assert_eq!(stderr.matches("No such file").count(), 1, "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_api_adds_removes_and_flushes_workers() {
+    let a = Proc::engine(&["--dp-size", "2"]);
+    let b = Proc::engine(&["--dp-size", "3"]);
+    let gw = Proc::gateway(&[&a], &["--admin-key", "s3cret"]);
+    let c = client();
+    let auth = [("authorization", "Bearer s3cret")];
+    assert_eq!(
+        get(&c, &format!("{}/workers", gw.url)).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    let added = post(&c, &format!("{}/workers", gw.url), &auth, &json!({"url": b.url})).await;
+    assert_eq!(added.status, StatusCode::CREATED, "{}", added.text);
+    assert_eq!(added.json["dp_size"], 3, "discovered from /get_server_info");
+    let list = |c: common::HttpClient, url: String| async move {
+        let req = hyper::Request::get(format!("{url}/workers"))
+            .header("authorization", "Bearer s3cret")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        read(c.request(req).await.unwrap()).await.json
+    };
+    let workers = list(c.clone(), gw.url.clone()).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        workers["workers"][1]["endpoints"][2]["rank"], 4,
+        "global ranks continue across workers"
+    );
+    // A pinned request to global rank 4 reaches worker b's rank 2.
+    let reply = post(
+        &c,
+        &format!("{}/generate", gw.url),
+        &[],
+        &json!({"text": "x", "routed_dp_rank": 4}),
+    )
+    .await;
+    assert_eq!(reply.rank, Some(2));
+    let flushed = post(&c, &format!("{}/flush_cache", gw.url), &auth, &json!({})).await;
+    assert_eq!(flushed.status, StatusCode::OK, "{}", flushed.text);
+    assert_eq!(flushed.json["results"].as_array().unwrap().len(), 2);
+    let req = hyper::Request::delete(format!("{}/workers/0", gw.url))
+        .header("authorization", "Bearer s3cret")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    assert_eq!(c.request(req).await.unwrap().status(), StatusCode::OK);
+    let workers = list(c.clone(), gw.url.clone()).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 1);
+    let bad = post(&c, &format!("{}/workers", gw.url), &auth, &json!({"url": "not a url"})).await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
 }
