@@ -499,3 +499,43 @@ async fn an_engine_gets_the_same_client_headers_through_serve_and_through_envoy(
     assert_eq!(seen[0], expected, "through serve");
     assert_eq!(seen[1], expected, "through Envoy and the picker");
 }
+
+/// Anthropic's Messages API behind Envoy: each turn goes where the picker chose (the rank in SGLang's
+/// `routed_dp_rank`), an agent's later turns to the rank holding its prefix; `count_tokens` is answered by an
+/// engine; the picker's own refusal of a malformed body is in Anthropic's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_messages_go_through_envoy_where_the_picker_chose() {
+    let a = Proc::engine(&["--dp-size", "2"]);
+    let picker = Picker::start(&[&a], &["--policy", "cache_aware"]);
+    let envoy = Envoy::start("messages", &[&picker.grpc]).await;
+    envoy.wait_for_healthy_pickers(1).await;
+    let c = client();
+    let url = format!("{}/v1/messages", envoy.url);
+    let system = format!("You are an agent. {}", "Keep answers short. ".repeat(40));
+    for agent in 0..2 {
+        let mut messages = Vec::new();
+        let mut home = None;
+        for turn in 0..3 {
+            messages.push(
+                json!({"role": "user", "content": [{"type": "text", "text": format!("agent {agent} step {turn}")}]}),
+            );
+            let body = json!({"model": "dprouter/mock", "max_tokens": 4, "system": system, "messages": messages, "stream": turn == 1});
+            let reply = post(&c, &url, &[("anthropic-version", "2023-06-01")], &body).await;
+            check_route(&reply, &[&a]);
+            let rank = header(&reply, "x-dp-rank").to_string();
+            match &home {
+                None => home = Some(rank),
+                Some(home) => assert_eq!(&rank, home, "agent {agent} turn {turn} left its rank"),
+            }
+            messages.push(json!({"role": "assistant", "content": [{"type": "text", "text": "ok"}]}));
+        }
+    }
+    let count = json!({"model": "dprouter/mock", "messages": [{"role": "user", "content": "count me"}]});
+    let reply = post(&c, &format!("{url}/count_tokens"), &[], &count).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert!(reply.json["input_tokens"].as_u64().unwrap() > 0, "{}", reply.text);
+    let reply = post(&c, &url, &[], &json!({"model": "dprouter/mock", "messages": 7})).await;
+    assert_eq!(reply.status, StatusCode::BAD_REQUEST, "{}", reply.text);
+    assert_eq!(reply.json["type"], "error", "{}", reply.text);
+    assert_eq!(reply.json["error"]["type"], "invalid_request_error", "{}", reply.text);
+}

@@ -4,6 +4,7 @@
 //! code. Entry point: build a policy from a [`PolicyConfig`], then [`dispatch`] each [`RouteRequest`] against the
 //! current [`Snapshot`]; the [`Ticket`] it returns carries the request's feedback.
 
+pub mod anthropic;
 pub mod block_index;
 mod chat;
 pub mod config;

@@ -160,9 +160,27 @@ impl<'de> Deserialize<'de> for Members<'de> {
     }
 }
 
+/// Which API a body speaks: what its members mean.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Api {
+    /// OpenAI's (chat and text completions, Responses, embeddings) and SGLang's `/generate`: the prompt is the
+    /// first of `input_ids`, `text`, `prompt`, `messages` (with `tools`), `input` that the body has.
+    #[default]
+    OpenAi,
+    /// Anthropic's Messages API (`/v1/messages`): the prompt is its `system`, `messages` and `tools`, rendered as
+    /// the engines render them ([`crate::anthropic`]); the session, when no `prompt_cache_key` names one, is
+    /// `metadata.user_id`.
+    Messages,
+}
+
 /// Parses `bytes` for routing. With `read_overrides` false the client's rank override fields are not read (nor
 /// checked); either way they never reach the worker ([`Layout::forwarded`]).
 pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, PromptError> {
+    parse_body_as(bytes, read_overrides, Api::OpenAi)
+}
+
+/// [`parse_body`] for a body of `api`.
+pub fn parse_body_as(bytes: &[u8], read_overrides: bool, api: Api) -> Result<RequestBody, PromptError> {
     let text = std::str::from_utf8(bytes).map_err(|e| PromptError::InvalidJson(format!("invalid UTF-8: {e}")))?;
     let Members(mut members) = serde_json::from_str(text).map_err(|e| match e.classify() {
         serde_json::error::Category::Data => PromptError::NotAnObject,
@@ -182,7 +200,14 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         // `null` is as good as absent, as in `parse_request`.
         Ok(first.filter(|v| v.get() != "null"))
     };
-    let prompt = if let Some(ids) = field("input_ids")? {
+    let prompt = if api == Api::Messages {
+        let (_, messages) = chat_messages(&members, &spans, text, messages)?.ok_or(PromptError::NoPrompt)?;
+        let messages: Value = serde_json::from_str(messages).map_err(|e| PromptError::InvalidJson(e.to_string()))?;
+        let system = field("system")?.map(value).transpose()?;
+        let tools = field("tools")?.map(value).transpose()?;
+        let chat = crate::anthropic::to_chat(system.as_ref(), &messages, tools.as_ref())?;
+        Prompt::Bytes(prompt::render_chat(chat.tools.as_ref(), &chat.messages)?)
+    } else if let Some(ids) = field("input_ids")? {
         token_ids(ids, "input_ids")?
     } else if let Some(text) = field("text")? {
         prompt::single_string(&value(text)?, "text")?
@@ -192,7 +217,7 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
         } else {
             prompt::single_string(&value(p)?, "prompt")?
         }
-    } else if let Some(messages) = chat_messages(&members, &spans, text, messages)? {
+    } else if let Some((messages, _)) = chat_messages(&members, &spans, text, messages)? {
         let tools = field("tools")?.map(value).transpose()?;
         Prompt::Bytes(crate::chat::render(tools.as_ref(), messages)?)
     } else if let Some(input) = field("input")? {
@@ -218,6 +243,16 @@ pub fn parse_body(bytes: &[u8], read_overrides: bool) -> Result<RequestBody, Pro
     route.session = field("prompt_cache_key")?
         .and_then(|k| serde_json::from_str::<String>(k.get()).ok())
         .map(|k| crate::request::session_hash(&k));
+    if api == Api::Messages && route.session.is_none() {
+        // Anthropic's clients name their user (Claude Code: its user, account and session) here.
+        #[derive(Deserialize)]
+        struct Metadata {
+            user_id: Option<String>,
+        }
+        route.session = field("metadata")?
+            .and_then(|m| serde_json::from_str::<Metadata>(m.get()).ok()?.user_id)
+            .map(|id| crate::request::session_hash(&id));
+    }
     if let Some(room) = field("bootstrap_room")? {
         route.bootstrap_room = Some(room.get().parse::<u64>().map_err(|_| PromptError::Field {
             field: "bootstrap_room",
@@ -294,14 +329,14 @@ fn key_start_before(text: &str, value_start: usize) -> usize {
     0
 }
 
-/// The chat's `messages`, read in the members' pass, with `parse_request`'s rules: absent or `null` is no
-/// messages, and twice is an error.
-fn chat_messages<'a>(
+/// The chat's `messages`, read in the members' pass, and its raw JSON, with `parse_request`'s rules: absent or
+/// `null` is no messages, and twice is an error.
+fn chat_messages<'a, 't>(
     members: &[Member<'_>],
     spans: &[Range<usize>],
-    text: &str,
+    text: &'t str,
     messages: Option<crate::chat::Messages<'a>>,
-) -> Result<Option<crate::chat::Messages<'a>>, PromptError> {
+) -> Result<Option<(crate::chat::Messages<'a>, &'t str)>, PromptError> {
     let mut found = members.iter().zip(spans).filter(|(m, _)| m.key == "messages");
     let Some((_, span)) = found.next() else {
         return Ok(None);
@@ -312,7 +347,7 @@ fn chat_messages<'a>(
     // The value after the key's closing quote and the colon.
     let member = &text[span.clone()];
     let value = member.split_once(':').map_or("", |(_, v)| v).trim();
-    Ok(messages.filter(|_| value != "null"))
+    Ok(messages.filter(|_| value != "null").map(|m| (m, value)))
 }
 
 fn value(raw: &RawValue) -> Result<Value, PromptError> {

@@ -11,6 +11,9 @@
 //!   feature is off, such as vLLM without `--enable-prompt-tokens-details`).
 //! - OpenAI Responses (`/v1/responses`): `usage` with `input_tokens` and `input_tokens_details.cached_tokens`; in a
 //!   stream, inside the `response` member of the `response.completed` (or `.incomplete`, `.failed`) event.
+//! - Anthropic Messages (`/v1/messages`, SGLang's and vLLM's): `usage` with `input_tokens` (the uncached part),
+//!   `cache_read_input_tokens` (the cached part) and `cache_creation_input_tokens`; the prompt is their sum. In a
+//!   stream, inside the `message` member of the `message_start` event (and again in `message_delta`).
 //! - SGLang `/generate`: `meta_info.prompt_tokens` and `meta_info.cached_tokens`.
 //! - llama.cpp: `timings.prompt_n` (tokens evaluated) and `timings.cache_n` (tokens reused from its cache); the
 //!   prompt is their sum. A llama.cpp stream carries no `usage` unless the client set
@@ -256,7 +259,8 @@ impl Member {
             b"usage" => Some(Member::Usage),
             b"meta_info" => Some(Member::MetaInfo),
             b"timings" => Some(Member::Timings),
-            b"response" => Some(Member::Response),
+            // A Responses stream event's `response`; an Anthropic `message_start` event's `message`.
+            b"response" | b"message" => Some(Member::Response),
             b"id" => Some(Member::Id),
             _ => None,
         }
@@ -307,6 +311,9 @@ struct UsageMember {
     completion_tokens: Option<u64>,
     #[serde(alias = "input_tokens_details")]
     prompt_tokens_details: Option<Details>,
+    /// Anthropic's Messages usage: `input_tokens` is the uncached part only.
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -499,6 +506,15 @@ impl TopLevel {
             return None;
         }
         let usage = self.usage.and_then(|u| {
+            if u.cache_read_input_tokens.is_some() || u.cache_creation_input_tokens.is_some() {
+                // Anthropic's: the prompt is the uncached, the read and the written parts together.
+                let read = u.cache_read_input_tokens.unwrap_or(0);
+                let prompt = u
+                    .prompt_tokens?
+                    .checked_add(read)?
+                    .checked_add(u.cache_creation_input_tokens.unwrap_or(0))?;
+                return Some((prompt, Some(read)));
+            }
             let cached = u.prompt_tokens_details.and_then(|d| d.cached_tokens);
             Some((u.prompt_tokens?, cached))
         });
@@ -617,6 +633,34 @@ mod tests {
         assert_eq!(
             whole(br#"{"response":"usage","usage":{"input_tokens":3}}"#, false),
             usage(3, 0)
+        );
+    }
+
+    #[test]
+    fn reads_anthropic_reports_whole_and_streamed() {
+        let whole = br#"{"id":"msg_1","type":"message","content":[{"type":"text","text":"usage"}],"usage":{"input_tokens":40,"cache_read_input_tokens":60,"cache_creation_input_tokens":4,"output_tokens":3}}"#;
+        assert_eq!(super::tests::whole(whole, false), usage(104, 60));
+        let stream = concat!(
+            "event: message_start\n",
+            r#"data: {"type":"message_start","message":{"id":"msg_1","content":[],"usage":{"input_tokens":10,"cache_read_input_tokens":90,"output_tokens":1}}}"#,
+            "\n\nevent: content_block_delta\n",
+            r#"data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}"#,
+            "\n\n",
+        );
+        let mut scanner = UsageScanner::new(true);
+        let at_start = stream.find("event: content_block_delta").unwrap();
+        assert_eq!(
+            scanner.feed(&stream.as_bytes()[..at_start]),
+            usage(100, 90),
+            "read from message_start"
+        );
+        // Without the cache fields, `input_tokens` is the whole prompt and nothing was cached.
+        assert_eq!(
+            super::tests::whole(
+                br#"{"type":"message","usage":{"input_tokens":12,"output_tokens":3}}"#,
+                false
+            ),
+            usage(12, 0)
         );
     }
 

@@ -384,3 +384,37 @@ async fn a_refused_connection_is_retried_on_another_endpoint() {
         "the refusing worker is down after one probe"
     );
 }
+
+/// On Anthropic's Messages route the same faults end in Anthropic's shape: a stalled stream with an `event: error`
+/// (`api_error`) after the idle timeout, an engine that never answers with a 504 body `{"type": "error", …}`.
+#[tokio::test(start_paused = true)]
+async fn on_the_messages_route_the_gateways_errors_are_anthropics() {
+    let _serial = SERIAL.lock().await;
+    let messages = |stream: bool| {
+        json!({"model": "m", "max_tokens": 4, "stream": stream, "system": "s",
+               "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+    };
+    let gw = gateway(&[&engine(Script::Answers).await], |_| {}).await;
+    let c = client();
+    let reply = send(&c, "POST", &format!("{gw}/v1/messages"), &[], Some(&messages(true))).await;
+    assert_eq!(reply.status, 200);
+    let error = reply
+        .text
+        .split("\n\n")
+        .find(|e| e.starts_with("event: error\n"))
+        .unwrap_or_else(|| panic!("{}", reply.text));
+    let data: Value = serde_json::from_str(error.lines().nth(1).unwrap().strip_prefix("data: ").unwrap()).unwrap();
+    assert_eq!(
+        (data["type"].as_str(), data["error"]["type"].as_str()),
+        (Some("error"), Some("api_error")),
+        "{data}"
+    );
+    assert_eq!(workers(&c, &gw).await.1, 0);
+
+    let gw = gateway(&[&engine(Script::Silent).await], |_| {}).await;
+    let reply = send(&c, "POST", &format!("{gw}/v1/messages"), &[], Some(&messages(false))).await;
+    assert_eq!(reply.status, 504, "{}", reply.text);
+    assert_eq!(reply.json()["type"], "error", "{}", reply.text);
+    assert_eq!(reply.json()["error"]["type"], "api_error", "{}", reply.text);
+    assert_eq!(workers(&c, &gw).await.1, 0);
+}

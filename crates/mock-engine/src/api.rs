@@ -15,7 +15,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dprouter_core::request_body::parse_body;
+use dprouter_core::request_body::{parse_body_as, Api as BodyApi};
 use dprouter_core::Prompt;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -34,7 +34,7 @@ pub const SERVED_RANK_HEADER: &str = "x-dp-rank";
 
 #[derive(Clone)]
 pub(crate) struct AppState {
-    engine: Arc<Engine>,
+    pub(crate) engine: Arc<Engine>,
     started: Instant,
     /// Response ids: a random prefix per process (ids from two engines never collide, as engines' uuids do not),
     /// then a counter.
@@ -58,6 +58,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/generate", post(generate))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(crate::messages::messages))
+        .route("/v1/messages/count_tokens", post(crate::messages::count_tokens))
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(responses))
         .route("/v1/responses/{id}", get(get_response).delete(delete_response))
@@ -188,9 +190,9 @@ fn unix_time() -> u64 {
 }
 
 /// One generation request, parsed.
-struct Job {
+pub(crate) struct Job {
     kind: Kind,
-    tokens: Vec<u32>,
+    pub(crate) tokens: Vec<u32>,
     max_new_tokens: u32,
     stream: bool,
     include_usage: bool,
@@ -204,6 +206,8 @@ struct Job {
     prefill_rank: Option<u32>,
     /// vLLM's `kv_transfer_params`.
     kv_transfer: Option<Value>,
+    /// Messages: the tool the request forces, which the answer calls.
+    tool: Option<String>,
 }
 
 fn bad(message: impl Into<String>) -> Response {
@@ -219,6 +223,11 @@ struct Members<'a> {
     messages: Option<&'a RawValue>,
     #[serde(borrow)]
     tools: Option<&'a RawValue>,
+    /// Messages: the system prompt and the tool choice.
+    #[serde(borrow)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow)]
+    tool_choice: Option<&'a RawValue>,
     #[serde(borrow)]
     instructions: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -254,7 +263,7 @@ fn present(raw: Option<&RawValue>) -> Option<Value> {
 }
 
 /// Parses a generation request; `prior` is the conversation a Responses request continues.
-fn parse_job(
+pub(crate) fn parse_job(
     kind: Kind,
     api: Api,
     tokenizer: Option<&dprouter_tokenize::ModelTokenizer>,
@@ -262,7 +271,14 @@ fn parse_job(
     body: &[u8],
     prior: Option<String>,
 ) -> Result<Job, String> {
-    let req = parse_body(body, api == Api::Sglang).map_err(|e| e.to_string())?.route;
+    let body_api = if kind == Kind::Messages {
+        BodyApi::Messages
+    } else {
+        BodyApi::OpenAi
+    };
+    let req = parse_body_as(body, api == Api::Sglang, body_api)
+        .map_err(|e| e.to_string())?
+        .route;
     let room = req.bootstrap_room;
     let members: Members<'_> = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
     let mut responses_prompt = None;
@@ -272,6 +288,14 @@ fn parse_job(
         (Prompt::Bytes(_), Kind::Chat, Some(t)) => {
             let messages = present(members.messages).unwrap_or(Value::Null);
             t.chat_ids(&messages, present(members.tools).as_ref())?
+        }
+        // A Messages request is the chat completion the engines make of it, through the model's template.
+        (Prompt::Bytes(_), Kind::Messages, Some(t)) => {
+            let messages = present(members.messages).unwrap_or(Value::Null);
+            let (system, tools) = (present(members.system), present(members.tools));
+            let chat = dprouter_core::anthropic::to_chat(system.as_ref(), &messages, tools.as_ref())
+                .map_err(|e| e.to_string())?;
+            t.chat_ids(&chat.messages, chat.tools.as_ref())?
         }
         (Prompt::Bytes(b), Kind::Generate | Kind::Completion, Some(t)) => t.text_ids(&String::from_utf8_lossy(&b))?,
         (Prompt::Bytes(b), Kind::Responses, _) => {
@@ -291,7 +315,7 @@ fn parse_job(
             tokens
         }
         // The fixed chat template: the canonical rendering (the prompt's bytes) plus the generation prompt.
-        (Prompt::Bytes(mut b), Kind::Chat, None) => {
+        (Prompt::Bytes(mut b), Kind::Chat | Kind::Messages, None) => {
             b.extend_from_slice(b"<|assistant|>\n");
             encode(&String::from_utf8_lossy(&b))
         }
@@ -300,6 +324,7 @@ fn parse_job(
     let max = match kind {
         Kind::Generate => present(members.sampling_params).and_then(|p| p.get("max_new_tokens").cloned()),
         Kind::Chat => present(members.max_completion_tokens).or(present(members.max_tokens)),
+        Kind::Messages => present(members.max_tokens),
         Kind::Completion => present(members.max_tokens),
         Kind::Responses => present(members.max_output_tokens),
     };
@@ -337,7 +362,14 @@ fn parse_job(
             .and_then(|s| s.trim().parse::<i64>().ok()),
     };
     let flag = |raw: Option<&RawValue>| present(raw).and_then(|v| v.as_bool());
+    let tool = match kind {
+        Kind::Messages => {
+            crate::messages::forced_tool(present(members.tool_choice).as_ref(), present(members.tools).as_ref())
+        }
+        _ => None,
+    };
     Ok(Job {
+        tool,
         kind,
         tokens,
         max_new_tokens,
@@ -487,7 +519,13 @@ async fn embeddings(State(s): State<AppState>, body: Bytes) -> Response {
     .into_response()
 }
 
-async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], prior: Option<String>) -> Response {
+pub(crate) async fn serve_job(
+    s: AppState,
+    kind: Kind,
+    headers: &HeaderMap,
+    body: &[u8],
+    prior: Option<String>,
+) -> Response {
     let config = s.engine.config();
     let job = match parse_job(kind, config.api, config.tokenizer.as_deref(), headers, body, prior) {
         Ok(job) => job,
@@ -559,6 +597,7 @@ async fn serve_job(s: AppState, kind: Kind, headers: &HeaderMap, body: &[u8], pr
         completion_tokens: 0,
         sequence: 0,
         kv_transfer_params,
+        tool: job.tool,
         keep: job.keep.map(|prompt| Keep {
             store: Arc::clone(&s.responses),
             prompt,

@@ -14,6 +14,7 @@ pub mod api;
 pub mod disagg;
 pub mod engine;
 pub mod kv_publisher;
+mod messages;
 mod render;
 pub mod responses;
 pub mod stall;

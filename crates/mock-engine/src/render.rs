@@ -20,6 +20,8 @@ pub(crate) enum Kind {
     Chat,
     Completion,
     Responses,
+    /// Anthropic's Messages ([`crate::messages`]).
+    Messages,
 }
 
 /// An error answer in the engines' shape (`{"error": {"message", "type", "code"}}`).
@@ -52,6 +54,8 @@ pub(crate) struct Renderer {
     pub(crate) keep: Option<Keep>,
     /// A vLLM prefill leg's `kv_transfer_params` for its decode server, in the whole answer.
     pub(crate) kv_transfer_params: Option<Value>,
+    /// Messages: the tool the answer calls.
+    pub(crate) tool: Option<String>,
 }
 
 impl Renderer {
@@ -126,7 +130,9 @@ impl Renderer {
                 json!({"id": format!("cmpl-{}", self.id), "object": "text_completion", "created": self.created,
                        "model": self.model, "choices": [{"index": 0, "text": delta.unwrap_or(""), "logprobs": null, "finish_reason": finish_reason}]})
             }
-            Kind::Responses => unreachable!("Responses events are built by `responses_events`"),
+            Kind::Responses | Kind::Messages => {
+                unreachable!("their events are built by `responses_events`, `messages_events`")
+            }
         }
     }
 
@@ -155,6 +161,7 @@ impl Renderer {
                 "usage": self.usage()})
             }
             Kind::Responses => self.response(true),
+            Kind::Messages => self.message_object(true),
         }
     }
 }
@@ -209,6 +216,14 @@ pub(crate) fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Res
                     StreamState::Ended,
                 ))
             }
+            Emit::Fail { status, message } if render.kind == Kind::Messages => {
+                let event = json!({"type": "error", "error": {"type": "api_error", "message": message}});
+                let _ = status;
+                Some((
+                    Ok(Bytes::from(format!("event: error\ndata: {event}\n\n"))),
+                    StreamState::Ended,
+                ))
+            }
             Emit::Fail { status, message } => {
                 let event = json!({"error": {"message": message, "type": "InternalServerError", "code": status}});
                 Some((Ok(sse(&event)), StreamState::Ended))
@@ -217,6 +232,11 @@ pub(crate) fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Res
                 render.absorb(&emit);
                 render.keep_response();
                 let out = render.responses_events(None, first, true);
+                Some((Ok(Bytes::from(out)), StreamState::Ended))
+            }
+            Emit::Done { .. } if render.kind == Kind::Messages => {
+                render.absorb(&emit);
+                let out = render.messages_events(None, first, true);
                 Some((Ok(Bytes::from(out)), StreamState::Ended))
             }
             Emit::Done { .. } => {
@@ -232,6 +252,8 @@ pub(crate) fn stream_response(render: Renderer, rx: mpsc::Receiver<Emit>) -> Res
                 let delta = render.absorb(&emit);
                 let chunk = if render.kind == Kind::Responses {
                     Bytes::from(render.responses_events(delta.as_deref(), first, false))
+                } else if render.kind == Kind::Messages {
+                    Bytes::from(render.messages_events(delta.as_deref(), first, false))
                 } else {
                     sse(&render.chunk(delta.as_deref(), first, false))
                 };

@@ -100,6 +100,8 @@ struct Trace {
     /// The response's status, once its headers came.
     status: OnceLock<u16>,
     exchange: OnceLock<Exchange>,
+    /// The shape of the route's errors (Anthropic's on the Messages routes), once its path is known.
+    shape: OnceLock<gateway::ErrorShape>,
 }
 
 /// Where the request went.
@@ -199,6 +201,7 @@ impl Stream {
                     self.trace.request_id.get().map(String::as_str),
                     trace_id.as_deref(),
                 );
+                let body = self.trace.shape.get().copied().unwrap_or_default().reshape(body);
                 let reply = protocol::immediate(err.status().as_u16(), &body, err.retry_after());
                 let _ = self.send(reply).await;
             }
@@ -282,6 +285,7 @@ impl Stream {
                     let sizes = headers.iter().filter(|(n, _)| !n.starts_with(':'));
                     let sizes = sizes.map(|(n, v)| (n.len(), v.len()));
                     let map = header_map(&headers);
+                    let _ = self.trace.shape.set(gateway::ErrorShape::of_route(path));
                     let traced = |route| self.start_span(method, route, &map);
                     let head = gateway::admit_head(&state, (method, path), &map, sizes, traced).map_err(End::Answer)?;
                     first_byte = head.first_byte;

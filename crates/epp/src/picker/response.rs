@@ -62,8 +62,9 @@ impl Stream {
         if let Some(prefill) = sent.routed.as_ref().and_then(Routed::prefill_target) {
             set.push(protocol::set_header(gateway::PREFILL_ENDPOINT_HEADER, prefill.label()));
         }
+        let shape = self.trace.shape.get().copied().unwrap_or_default();
         let feedback = sent.routed.take().map(|routed| {
-            let (feedback, exchange) = gateway::feedback(state, routed, &sent.target, (status, sse), received);
+            let (feedback, exchange) = gateway::feedback(state, routed, &sent.target, (status, sse, shape), received);
             let _ = self.trace.exchange.set(exchange);
             feedback
         });

@@ -74,6 +74,27 @@ impl Stream {
             });
         }
         gateway::check_content_type(&header_map).map_err(End::Answer)?;
+        if gateway::changes_no_cache(&path) {
+            // Counted by the least loaded endpoint serving its model, with no ticket: it changes no cache.
+            let placed = gateway::route_uncached(state, body, client.as_deref(), &allowed).map_err(End::Answer)?;
+            let target = placed.target;
+            let address = address(&target).ok_or(End::Gone)?;
+            let length: usize = placed.pieces.iter().map(Bytes::len).sum();
+            let (mut set, remove) = rank_headers(&target, None, &headers, keyed);
+            set.push(protocol::set_header("content-length", length.to_string()));
+            self.trace_header(&mut set);
+            self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
+                .await?;
+            for chunk in protocol::request_body_chunks(placed.pieces, trailers) {
+                self.send(chunk).await?;
+            }
+            return Ok(Sent {
+                routed: None,
+                address,
+                target,
+                offered: vec![address],
+            });
+        }
         // Routing may wait in flow control's queue: a data plane that closes the stream meanwhile (its client went
         // away) takes the request out of it.
         let routed = tokio::select! {

@@ -97,9 +97,9 @@ impl Clients {
         if self.list.is_empty() {
             return Ok(None);
         }
-        let key = bearer(headers).ok_or_else(|| {
+        let key = client_key(headers).ok_or_else(|| {
             count(NO_CLIENT, "no_key");
-            ApiError::NoClientKey("no API key: send it as `Authorization: Bearer KEY`".into())
+            ApiError::NoClientKey("no API key: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`".into())
         })?;
         let digest = Sha256::digest(key.as_bytes());
         let mut found = None;
@@ -201,6 +201,14 @@ impl Client {
 /// A wait as `Retry-After` seconds, rounded up (at least 1).
 fn seconds(wait: Duration) -> u64 {
     (wait.as_millis().div_ceil(1000) as u64).max(1)
+}
+
+/// The client's key: `Authorization: Bearer KEY` (OpenAI's clients), else `x-api-key: KEY` (Anthropic's).
+fn client_key(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers).or_else(|| {
+        let key = headers.get("x-api-key")?.to_str().ok()?.trim();
+        (!key.is_empty()).then_some(key)
+    })
 }
 
 /// The key of `Authorization: Bearer KEY`.

@@ -16,10 +16,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use dprouter_core::request_body::Api;
 use dprouter_core::{Prompt, RouteRequest};
 use dprouter_tokenize::{Head, ModelTokenizer};
 use serde::Deserialize;
 use serde_json::value::RawValue;
+use serde_json::Value;
 
 use crate::config::GatewayConfig;
 
@@ -85,6 +87,9 @@ impl Tokenizers {
 /// The members a text or chat prompt comes from.
 #[derive(Deserialize)]
 struct TextFields<'a> {
+    /// Anthropic's Messages: the system prompt.
+    #[serde(borrow)]
+    system: Option<&'a RawValue>,
     #[serde(borrow)]
     messages: Option<&'a RawValue>,
     #[serde(borrow)]
@@ -98,9 +103,19 @@ struct TextFields<'a> {
 /// The token ids of a body's text or chat prompt (its head of `max_bytes`), if the tokenizer takes it. The members
 /// are read as slices of the body: a chat is rendered only as far as its head needs, and a text prompt is copied
 /// only when it holds escapes.
-fn token_ids(tokenizer: &ModelTokenizer, body: &[u8], max_bytes: usize) -> Option<Head> {
+fn token_ids(tokenizer: &ModelTokenizer, (body, api): (&[u8], Api), max_bytes: usize) -> Option<Head> {
     let fields: TextFields<'_> = serde_json::from_slice(body).ok()?;
-    let ids = if let Some(messages) = present(fields.messages) {
+    let ids = if api == Api::Messages {
+        // Rendered as the engine renders it: its chat completion, through the model's template.
+        let value = |raw: Option<&RawValue>| present(raw).and_then(|r| serde_json::from_str::<Value>(r.get()).ok());
+        let messages = value(fields.messages)?;
+        let chat =
+            dprouter_core::anthropic::to_chat(value(fields.system).as_ref(), &messages, value(fields.tools).as_ref())
+                .ok()?;
+        let messages = RawValue::from_string(chat.messages.to_string()).ok()?;
+        let tools = chat.tools.and_then(|t| RawValue::from_string(t.to_string()).ok());
+        tokenizer.chat_head(&messages, tools.as_deref(), max_bytes)
+    } else if let Some(messages) = present(fields.messages) {
         tokenizer.chat_head(messages, present(fields.tools), max_bytes)
     } else {
         // SGLang's `text`, then a completion's `prompt`, when it is one string (or one string in a list).
@@ -135,7 +150,7 @@ fn present(raw: Option<&RawValue>) -> Option<&RawValue> {
 pub async fn exact_prompt(
     tokenizers: &Tokenizers,
     tokenizer: Arc<ModelTokenizer>,
-    body: &Bytes,
+    (body, api): (&Bytes, Api),
     route: &mut RouteRequest,
 ) {
     if !matches!(route.prompt, Prompt::Bytes(_)) {
@@ -147,12 +162,12 @@ pub async fn exact_prompt(
     let max_bytes = tokenizers.max_bytes;
     let head = if body.len() > BLOCKING_BYTES {
         let body = body.clone();
-        tokio::task::spawn_blocking(move || token_ids(&tokenizer, &body, max_bytes))
+        tokio::task::spawn_blocking(move || token_ids(&tokenizer, (&body, api), max_bytes))
             .await
             .ok()
             .flatten()
     } else {
-        token_ids(&tokenizer, body, max_bytes)
+        token_ids(&tokenizer, (body, api), max_bytes)
     };
     if let Some(head) = head {
         if head.cut {

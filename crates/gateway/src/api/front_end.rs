@@ -6,10 +6,12 @@
 //!   background tasks;
 //! - **admit**: the head ([`admit_head`]: header sizes, the route, the client's first-byte deadline, the key and
 //!   rate limit) and the body ([`BodyReader`]: the size limit, the shared budget);
-//! - **decide**: [`route`] (parse, model, tokens, flow control, pick or pair) into a [`Routed`] request;
+//! - **decide**: [`route`] (parse, model, tokens, flow control, pick or pair) into a [`Routed`] request, or, for a
+//!   request that changes no cache ([`changes_no_cache`]: Anthropic's `count_tokens`), [`route_uncached`];
 //! - **attempt**: the one engine-header rule ([`reaches_engine`]), the one outcome recorder ([`record`]), the
 //!   decode sidecar's header names;
-//! - **feedback**: [`feedback`] for the answer's bytes, and the request's span.
+//! - **feedback**: [`feedback`] for the answer's bytes, and the request's span; the gateway's own errors in the
+//!   route's [`ErrorShape`].
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,6 +22,7 @@ pub use crate::admission::body_reader::BodyReader;
 pub use crate::admission::clients::Client;
 pub use crate::api::server::{control_router, Background};
 pub use crate::common::error::{add_ids, ApiError};
+pub use crate::common::error_shape::ErrorShape;
 pub use crate::common::names::REQUEST_ID;
 pub use crate::config::{Backend, GatewayConfig};
 pub use crate::disagg::legs::PREFILL_ENDPOINT_HEADER;
@@ -34,7 +37,9 @@ pub use crate::observe::trace_context::{traceparent, TRACEPARENT, TRACESTATE};
 pub use crate::pipeline::engine_headers::{data_planes, reaches_engine};
 pub use crate::pipeline::feedback::Feedback;
 pub use crate::pipeline::outcome::{record, Attempt, Outcome};
-pub use crate::pipeline::routing::{check_content_type, injects_rank, route, Routed, RANK_HEADER};
+pub use crate::pipeline::routing::{
+    changes_no_cache, check_content_type, injects_rank, route, route_uncached, Routed, Uncached, RANK_HEADER,
+};
 pub use crate::state::AppState;
 
 use crate::api::{proxy, server};
@@ -69,7 +74,8 @@ pub fn admit_head(
     Ok(Head { client, first_byte })
 }
 
-/// The feedback that reads the answer of `routed` (served by `target`, `status`, an event stream when `sse`) as
+/// The feedback that reads the answer of `routed` (served by `target`, `status`, an event stream when `sse`, on a
+/// route whose errors take `shape`) as
 /// `serve`'s relay does: its first byte, the engine's usage report into the ticket, a Responses answer's id, and
 /// the access log's record (returned beside it, for the request's span). A disaggregated request's prefill ticket
 /// is held until the answer's first byte.
@@ -77,7 +83,7 @@ pub fn feedback(
     state: &AppState,
     mut routed: Routed,
     target: &Target,
-    (status, sse): (u16, bool),
+    (status, sse, shape): (u16, bool, ErrorShape),
     received: Instant,
 ) -> (Feedback, Exchange) {
     let prefill = routed.pair.as_mut().and_then(|pair| pair.ticket.take());
@@ -91,7 +97,9 @@ pub fn feedback(
         retries: 0,
     });
     let remember = routed.remember(status);
-    let feedback = Feedback::new(routed.ticket, sse, received, exchange.clone()).with_prefill_leg(prefill);
+    let feedback = Feedback::new(routed.ticket, sse, received, exchange.clone())
+        .with_prefill_leg(prefill)
+        .in_shape(shape);
     let feedback = match remember {
         Some(owner) => feedback.remembering_the_response(Arc::clone(&state.responses), owner),
         None => feedback,

@@ -119,6 +119,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                     timing,
                     remember,
                     prefill: None,
+                    shape: crate::common::error_shape::ErrorShape::of_route(&path_and_query),
                 };
                 return Ok(relay(state, answer, routed.ticket, target));
             }
@@ -130,6 +131,71 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
             }
         }
     }
+}
+
+/// `POST /v1/messages/count_tokens`: a Messages request's prompt counted by an engine serving its model. It changes
+/// no cache, so no policy places it and no ticket holds it: the least loaded healthy endpoint gets it
+/// ([`crate::pipeline::routing::route_uncached`]), and its answer comes back whole. Counted apart by its route in
+/// `dprouter_requests_total`.
+pub async fn count_tokens(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    match count(&state, request).await {
+        Ok(response) => response,
+        Err(err) => err.into_response(),
+    }
+}
+
+async fn count(state: &Arc<AppState>, request: Request) -> Result<Response, ApiError> {
+    let (parts, body) = request.into_parts();
+    let client = state.clients.admit(&parts.headers)?;
+    let bytes = read_body(state, &parts.headers, body).await?;
+    let first_byte_timeout = first_byte_timeout(state, &parts.headers)?;
+    let placed = crate::pipeline::routing::route_uncached(state, bytes, client.as_deref(), &|_| true)?;
+    let target = &placed.target;
+    let path_and_query = upstream_path(&parts.uri);
+    let request = crate::pipeline::engine_headers::EngineRequest {
+        method: axum::http::Method::POST,
+        url: format!("{}{path_and_query}", target.base),
+        client: &parts.headers,
+        traceparent: None,
+        content_type: Some(axum::http::HeaderValue::from_static("application/json")),
+        authorization: crate::pipeline::engine_headers::authorization(client.is_some(), target, &parts.headers)
+            .cloned(),
+        rank: None,
+    }
+    .build(placed.pieces)?;
+    let label = target.label();
+    let record = |outcome| {
+        let attempt = crate::pipeline::outcome::Attempt::at(target, None);
+        crate::pipeline::outcome::record(&state.registry, attempt, outcome);
+    };
+    let response = match tokio::time::timeout(first_byte_timeout, state.upstream.send(request)).await {
+        Err(_) => {
+            record(crate::pipeline::outcome::Outcome::NoHead);
+            return Err(ApiError::UpstreamTimeout {
+                endpoint: label,
+                after_ms: first_byte_timeout.as_millis() as u64,
+            });
+        }
+        Ok(Err(err)) => {
+            record(crate::pipeline::outcome::Outcome::Failed {
+                connect: err.is_connect(),
+            });
+            let message = crate::fleet::upstream::error_chain(&err);
+            return Err(ApiError::Upstream {
+                endpoint: label,
+                message,
+            });
+        }
+        Ok(Ok(response)) => response,
+    };
+    record(crate::pipeline::outcome::Outcome::Answered(response.status().as_u16()));
+    let (parts, body) = response.into_parts();
+    let mut out = Response::new(Body::new(body));
+    *out.status_mut() = parts.status;
+    if let Some(ct) = parts.headers.get(axum::http::header::CONTENT_TYPE) {
+        out.headers_mut().insert(axum::http::header::CONTENT_TYPE, ct.clone());
+    }
+    Ok(out)
 }
 
 /// The client's header that asks for a shorter first-byte timeout than the configured one.

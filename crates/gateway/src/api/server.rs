@@ -34,8 +34,9 @@ fn is_admin_path(path: &str) -> bool {
 
 /// The paths whose requests the policy routes (POST, with a prompt); a client given the base URL without `/v1`
 /// (llama.cpp serves both) gets the same, sent on with `/v1`.
-pub const GENERATE_PATHS: [&str; 8] = [
+pub const GENERATE_PATHS: [&str; 9] = [
     "/v1/chat/completions",
+    "/v1/messages",
     "/v1/completions",
     "/v1/responses",
     "/v1/embeddings",
@@ -47,7 +48,8 @@ pub const GENERATE_PATHS: [&str; 8] = [
 
 /// The other public routes that reach an engine or the gateway's own answer (`{id}`: any one path segment), with
 /// their methods (GET includes HEAD).
-const OTHER_PUBLIC_ROUTES: [(&str, &[&str]); 5] = [
+const OTHER_PUBLIC_ROUTES: [(&str, &[&str]); 6] = [
+    ("/v1/messages/count_tokens", &["POST"]),
     ("/v1/responses/{id}", &["GET", "DELETE"]),
     ("/v1/responses/{id}/cancel", &["POST"]),
     ("/v1/responses/{id}/input_items", &["GET"]),
@@ -105,6 +107,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses/{id}", get(responses::stored).delete(responses::stored))
         .route("/v1/responses/{id}/cancel", post(responses::stored))
         .route("/v1/responses/{id}/input_items", get(responses::stored))
+        .route("/v1/messages/count_tokens", post(proxy::count_tokens))
         .route("/v1/models", get(models))
         .route("/models", get(models));
     finish(data.merge(control_routes(&state)), state)
@@ -368,10 +371,11 @@ async fn count_requests(State(state): State<Arc<AppState>>, request: Request, ne
     let trace_id = span.trace_id();
     let mut request = request;
     request.extensions_mut().insert(span);
+    let shape = crate::common::error_shape::ErrorShape::of_route(request.uri().path());
     let response = crate::common::error::identified(
         next.run(request).await,
-        request_id.as_ref().and_then(|v| v.to_str().ok()),
-        trace_id.as_deref(),
+        (request_id.as_ref().and_then(|v| v.to_str().ok()), trace_id.as_deref()),
+        shape,
     );
     access::Counted::wrap(response, arrived)
 }

@@ -54,6 +54,9 @@ pub enum ApiError {
     /// Flow control refused or gave up on the request: the pool is saturated (503 with `Retry-After: 1`).
     #[error("{0}")]
     Overloaded(String),
+    /// A route the gateway serves, but not for this fleet (501).
+    #[error("{0}")]
+    NotImplemented(String),
 }
 
 impl From<PromptError> for ApiError {
@@ -81,6 +84,7 @@ impl ApiError {
             ApiError::Route(_) | ApiError::Unavailable(_) | ApiError::Overloaded(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             ApiError::UpstreamTimeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            ApiError::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
         }
     }
 
@@ -99,6 +103,7 @@ impl ApiError {
             StatusCode::CONFLICT => "conflict_error",
             StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
             StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT => "upstream_error",
+            StatusCode::NOT_IMPLEMENTED => "not_implemented_error",
             _ => "service_unavailable_error",
         }
     }
@@ -135,13 +140,18 @@ pub fn add_ids(body: &mut serde_json::Value, request_id: Option<&str>, trace_id:
     }
 }
 
-/// `response` with `request_id` and `trace_id` (when there are) in its `error` object, when it is one of the
-/// gateway's own errors; any other response as it is.
-pub fn identified(mut response: Response, request_id: Option<&str>, trace_id: Option<&str>) -> Response {
+/// `response` with `request_id` and `trace_id` (when there are) in its `error` object, in the route's `shape`, when
+/// it is one of the gateway's own errors; any other response as it is.
+pub fn identified(
+    mut response: Response,
+    (request_id, trace_id): (Option<&str>, Option<&str>),
+    shape: crate::common::error_shape::ErrorShape,
+) -> Response {
     let Some(ErrorBody(mut body)) = response.extensions_mut().remove::<ErrorBody>() else {
         return response;
     };
     add_ids(&mut body, request_id, trace_id);
+    let body = shape.reshape(body);
     let Ok(bytes) = serde_json::to_vec(&body) else {
         return response;
     };
@@ -233,19 +243,40 @@ mod tests {
             let bytes = r.into_body().collect().await.unwrap().to_bytes();
             serde_json::from_slice::<serde_json::Value>(&bytes).unwrap()
         };
-        let ours = identified(ApiError::NotFound("x".into()).into_response(), Some("r1"), Some("t1"));
+        let openai = crate::common::error_shape::ErrorShape::OpenAi;
+        let ours = identified(
+            ApiError::NotFound("x".into()).into_response(),
+            (Some("r1"), Some("t1")),
+            openai,
+        );
         let body = read(ours).await;
         assert_eq!(
             (body["error"]["request_id"].as_str(), body["error"]["trace_id"].as_str()),
             (Some("r1"), Some("t1"))
         );
         assert_eq!(body["error"]["code"], 404);
-        let untraced = read(identified(ApiError::Unauthorized.into_response(), Some("r2"), None)).await;
+        let untraced = read(identified(
+            ApiError::Unauthorized.into_response(),
+            (Some("r2"), None),
+            openai,
+        ))
+        .await;
         assert_eq!(untraced["error"]["request_id"], "r2");
         assert!(untraced["error"].get("trace_id").is_none());
         // An engine's answer is not the gateway's to change.
         let engine = (StatusCode::BAD_REQUEST, Json(json!({"error": {"message": "engine"}}))).into_response();
-        let body = read(identified(engine, Some("r3"), Some("t3"))).await;
+        let body = read(identified(engine, (Some("r3"), Some("t3")), openai)).await;
         assert!(body["error"].get("request_id").is_none());
+        // On the Messages routes, in Anthropic's shape, ids and all.
+        let anthropic = crate::common::error_shape::ErrorShape::Anthropic;
+        let ours = read(identified(
+            ApiError::Unauthorized.into_response(),
+            (Some("r4"), None),
+            anthropic,
+        ))
+        .await;
+        assert_eq!(ours["type"], "error");
+        assert_eq!(ours["error"]["type"], "authentication_error");
+        assert_eq!(ours["request_id"], "r4");
     }
 }

@@ -5,6 +5,7 @@
 pub mod clock;
 pub mod drain_deadline;
 pub mod error;
+pub mod error_shape;
 pub mod names;
 pub mod response_homes;
 pub mod runtime;

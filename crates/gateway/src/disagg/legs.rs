@@ -273,6 +273,7 @@ pub async fn forward(
                     timing,
                     remember: routed.remember(status.as_u16()),
                     prefill: running.map(|watch| Box::new(watch) as Box<dyn Watch>),
+                    shape: crate::common::error_shape::ErrorShape::of_route(path_and_query),
                 };
                 let mut out = relay(state, answer, routed.ticket, target);
                 if let Ok(v) = axum::http::HeaderValue::from_str(&prefill_label) {

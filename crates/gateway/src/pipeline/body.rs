@@ -135,6 +135,12 @@ impl<B> GuardedBody<B> {
         self
     }
 
+    /// An answer on a route whose errors take `shape` (its error event, its first token).
+    pub fn in_shape(mut self, shape: crate::common::error_shape::ErrorShape) -> Self {
+        self.feedback = self.feedback.in_shape(shape);
+        self
+    }
+
     fn finish(&mut self) {
         self.done = true;
         self.feedback.finish();
@@ -202,9 +208,9 @@ impl<B> GuardedBody<B> {
             Framing::LineEnded => "\n",
             Framing::InLine => "\n\n",
         };
-        let event = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
+        let event = self.feedback.shape().stream_error(message, kind, code);
         // After the bytes gathered and not yet handed on.
-        self.batch.push(Bytes::from(format!("{open}data: {event}\n\n")));
+        self.batch.push(Bytes::from(format!("{open}{event}")));
         Poll::Ready(self.take_batch().map(Ok))
     }
 }

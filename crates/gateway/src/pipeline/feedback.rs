@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use dprouter_core::{EndpointId, Framing, Usage, UsageScanner};
 
+use crate::common::error_shape::ErrorShape;
 use crate::common::response_homes::{Owner, ResponseHomes};
 use crate::fleet::registry::Failure;
 use crate::observe::access::Exchange;
@@ -31,6 +32,36 @@ pub struct Feedback {
     /// A disaggregated request's prefill leg that runs where the answer's carrier cannot see it
     /// ([`Feedback::with_prefill_leg`]).
     prefill: Option<Box<GatewayTicket>>,
+    /// The route's error shape ([`Feedback::in_shape`]).
+    shape: ErrorShape,
+    /// An Anthropic stream's first token is its first `content_block_delta` event (its `message_start` may come
+    /// before any): the time to it is the answer's TTFT. `None` once seen, or on other answers.
+    first_token: Option<FirstToken>,
+    /// The time to the first token was recorded.
+    ttft_recorded: bool,
+}
+
+/// Looks for the event that carries an answer's first token across pieces of the stream.
+struct FirstToken {
+    /// The end of the last piece, in case the marker is cut in two.
+    tail: Vec<u8>,
+}
+
+impl FirstToken {
+    const MARKER: &'static [u8] = b"content_block_delta";
+
+    /// Whether the marker is in `data`, or across the end of the last piece and the start of this one.
+    fn seen_in(&mut self, data: &[u8]) -> bool {
+        let found = |bytes: &[u8]| bytes.windows(Self::MARKER.len()).any(|w| w == Self::MARKER);
+        let keep = Self::MARKER.len() - 1;
+        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
+        let seen = found(&self.tail) || found(data);
+        let mut tail = self.tail.split_off(0);
+        tail.clear();
+        tail.extend_from_slice(&data[data.len().saturating_sub(keep)..]);
+        self.tail = tail;
+        seen
+    }
 }
 
 /// The cached tokens the policy predicted for the ticket's request, when it predicted.
@@ -57,7 +88,25 @@ impl Feedback {
             exchange,
             homes: None,
             prefill: None,
+            shape: ErrorShape::OpenAi,
+            first_token: None,
+            ttft_recorded: false,
         }
+    }
+
+    /// An answer on a route whose errors take `shape`: on Anthropic's, a stream's time to first token is the time
+    /// to its first `content_block_delta`.
+    pub fn in_shape(mut self, shape: ErrorShape) -> Self {
+        self.shape = shape;
+        if shape == ErrorShape::Anthropic && self.sse {
+            self.first_token = Some(FirstToken { tail: Vec::new() });
+        }
+        self
+    }
+
+    /// The route's error shape.
+    pub fn shape(&self) -> ErrorShape {
+        self.shape
     }
 
     /// Holds the ticket of a prefill leg run by someone else (a decode sidecar behind a data plane) until the
@@ -97,7 +146,6 @@ impl Feedback {
     pub fn on_data(&mut self, data: &[u8]) {
         if !self.first_byte && !data.is_empty() {
             self.first_byte = true;
-            self.exchange.first_byte(self.received.elapsed());
             // The engine finished prefill: the request's queued-prefill share is released.
             if let Some(ticket) = self.ticket.as_mut() {
                 ticket.first_token(crate::common::clock::now_us());
@@ -105,9 +153,20 @@ impl Feedback {
             if let Some(mut prefill) = self.prefill.take() {
                 prefill.first_token(crate::common::clock::now_us());
             }
-            if self.sse {
-                let ttft = self.received.elapsed().as_secs_f64();
-                metrics::histogram!(telemetry::TTFT, "endpoint" => self.label.clone()).record(ttft);
+        }
+        if self.first_byte && !self.ttft_recorded {
+            let seen = match self.first_token.as_mut() {
+                None => true,
+                Some(first) => first.seen_in(data),
+            };
+            if seen {
+                self.ttft_recorded = true;
+                self.first_token = None;
+                self.exchange.first_byte(self.received.elapsed());
+                if self.sse {
+                    let ttft = self.received.elapsed().as_secs_f64();
+                    metrics::histogram!(telemetry::TTFT, "endpoint" => self.label.clone()).record(ttft);
+                }
             }
         }
         if let Some(usage) = self.scanner.feed(data) {

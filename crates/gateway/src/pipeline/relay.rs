@@ -59,6 +59,8 @@ pub(crate) struct Answer {
     pub remember: Option<crate::common::response_homes::Owner>,
     /// A disaggregated request's prefill leg, while it runs.
     pub prefill: Option<Box<dyn Watch>>,
+    /// The route's error shape (Anthropic's on the Messages routes).
+    pub shape: crate::common::error_shape::ErrorShape,
 }
 
 /// The client's response: the upstream status and headers, and the upstream body behind the load guard.
@@ -70,6 +72,7 @@ pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket
         timing,
         remember,
         prefill,
+        shape,
     } = answer;
     let (parts, incoming) = response.into_parts();
     let sse = parts
@@ -88,7 +91,7 @@ pub(crate) fn relay(state: &Arc<AppState>, answer: Answer, ticket: GatewayTicket
         timing,
         exchange.clone(),
     );
-    let body = body.cut_at(&state.drain_deadline).watching(prefill);
+    let body = body.cut_at(&state.drain_deadline).watching(prefill).in_shape(shape);
     let body = match remember {
         Some(owner) => body.remembering_the_response(Arc::clone(&state.responses), owner),
         None => body,

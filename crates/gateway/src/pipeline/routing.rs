@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::http::{HeaderMap, HeaderName};
 use bytes::Bytes;
-use dprouter_core::request_body::{parse_body, Layout, MemberKind, Piece, RequestBody};
+use dprouter_core::request_body::{parse_body_as, Api, Layout, MemberKind, Piece, RequestBody};
 use dprouter_core::{dispatch_among, Branch, EndpointId, RouteRequest, WorkerId};
 
 use crate::admission::clients::Client;
@@ -189,7 +189,8 @@ pub async fn route(
 ) -> Result<Routed, ApiError> {
     // A pin passes the balancer by: a keyed client pins only if it may.
     let pins = state.config.allow_client_overrides && client.as_ref().is_none_or(|c| c.allow_pins);
-    let (bytes, body) = parse(state, headers, bytes, pins).await?;
+    let api = api_of(path);
+    let (bytes, body) = parse(state, (headers, api), bytes, pins).await?;
     let RequestBody {
         mut route,
         layout,
@@ -208,6 +209,15 @@ pub async fn route(
         _ => None,
     };
     let serving = |rank: usize| served.as_deref().is_none_or(|m| membership.targets[rank].serves(m));
+    if api == Api::Messages && crate::pipeline::pairing::disaggregated(&membership, &serving) {
+        // vLLM's Messages request carries no `kv_transfer_params` to pair its legs with; SGLang's pairs, but no test
+        // here has run it through both legs.
+        return Err(ApiError::NotImplemented(
+            "the Messages API (/v1/messages) is not served on a prefill/decode pool yet: send the request to \
+             /v1/chat/completions, or serve the model on aggregated workers"
+                .into(),
+        ));
+    }
     // A rank the client pinned must serve the model too (a rank out of range is the policy's error).
     if let (Some(model), Some(rank)) = (
         served.as_deref(),
@@ -226,7 +236,7 @@ pub async fn route(
         .tokenizers
         .for_model(served.as_deref().or(membership.sole_model()))
     {
-        crate::admission::tokens::exact_prompt(&state.tokenizers, tokenizer, &bytes, &mut route).await;
+        crate::admission::tokens::exact_prompt(&state.tokenizers, tokenizer, (&bytes, api), &mut route).await;
     }
     if let Some(client) = &client {
         client.admit_tokens(route.input_tokens)?;
@@ -348,20 +358,29 @@ pub async fn route(
     })
 }
 
-/// Reads the routing fields of `bytes` (on the blocking pool when the body is large) and the rank header.
-/// `allow_overrides`: the client may pin a rank (otherwise its pins are ignored, and never reach a worker).
+/// The API a request for `path` speaks: Anthropic's Messages on `/v1/messages`, OpenAI's (or SGLang's) elsewhere.
+pub(crate) fn api_of(path: &str) -> Api {
+    match path.split(['?', '#']).next() {
+        Some("/v1/messages") => Api::Messages,
+        _ => Api::OpenAi,
+    }
+}
+
+/// Reads the routing fields of `bytes` as `api` reads them (on the blocking pool when the body is large) and the
+/// rank header. `allow_overrides`: the client may pin a rank (otherwise its pins are ignored, and never reach a
+/// worker).
 async fn parse(
     state: &AppState,
-    headers: &HeaderMap,
+    (headers, api): (&HeaderMap, Api),
     bytes: Bytes,
     allow_overrides: bool,
 ) -> Result<(Bytes, RequestBody), ApiError> {
     let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
-        tokio::task::spawn_blocking(move || parse_body(&bytes, allow_overrides).map(|b| (bytes, b)))
+        tokio::task::spawn_blocking(move || parse_body_as(&bytes, allow_overrides, api).map(|b| (bytes, b)))
             .await
             .map_err(|e| ApiError::Unavailable(format!("the request could not be parsed: {e}")))??
     } else {
-        let body = parse_body(&bytes, allow_overrides)?;
+        let body = parse_body_as(&bytes, allow_overrides, api)?;
         (bytes, body)
     };
     if body.route.session.is_none() {
@@ -399,6 +418,58 @@ fn served_model(state: &AppState, membership: &Membership, asked: Option<&str>) 
     Err(ApiError::ModelNotFound(
         crate::common::throttled::clip(asked).into_owned(),
     ))
+}
+
+/// Whether a request for `path` changes no engine's cache (Anthropic's `count_tokens`): it is placed by load alone
+/// ([`route_uncached`]), with no ticket, and teaches no policy.
+pub fn changes_no_cache(path: &str) -> bool {
+    path.split(['?', '#']).next() == Some("/v1/messages/count_tokens")
+}
+
+/// A request placed by [`route_uncached`]: its endpoint and the body that endpoint gets.
+pub struct Uncached {
+    pub target: Target,
+    pub pieces: Vec<Bytes>,
+}
+
+/// Places a request that changes no cache ([`changes_no_cache`]): the healthy endpoint with the fewest requests in
+/// flight among those serving its model (read as a Messages body) that `allowed` lets through. Its body goes as
+/// the client's, the model mapped when the client used an alias, the client's rank fields left out.
+pub fn route_uncached(
+    state: &AppState,
+    bytes: Bytes,
+    client: Option<&Client>,
+    allowed: &(dyn Fn(&Target) -> bool + Sync),
+) -> Result<Uncached, ApiError> {
+    let body = parse_body_as(&bytes, false, Api::Messages)?;
+    if let Some(client) = client {
+        client.may_use(body.model.as_deref())?;
+    }
+    let membership = state.registry.membership();
+    let served = served_model(state, &membership, body.model.as_deref())?;
+    let rank = membership
+        .snapshot
+        .healthy()
+        .iter()
+        .copied()
+        .filter(|&r| served.as_deref().is_none_or(|m| membership.targets[r].serves(m)))
+        .filter(|&r| allowed(&membership.targets[r]))
+        .min_by_key(|&r| membership.snapshot.load(r).in_flight_requests())
+        .ok_or(ApiError::Route(dprouter_core::RouteError::NoHealthyEndpoint))?;
+    let model_member = match (&served, &body.model) {
+        (Some(s), Some(asked)) if s != asked => Some(Bytes::from(format!("\"model\":{}", serde_json::json!(s)))),
+        _ => None,
+    };
+    let mapped = model_member.is_some();
+    let pieces = laid_out(&bytes, &body.layout, model_member, |kind| match kind {
+        MemberKind::Model => mapped,
+        MemberKind::Disaggregation | MemberKind::BootstrapRoom => true,
+        _ => false,
+    });
+    Ok(Uncached {
+        target: membership.targets[rank].clone(),
+        pieces,
+    })
 }
 
 /// Counts a routing decision (metrics and `GET /workers`).
