@@ -338,6 +338,9 @@ def run(args):
         "--data-parallel-size", str(args.dp_size), "--api-server-count", "1",
         "--enable-prompt-tokens-details",
         "--max-model-len", str(args.max_model_len),
+        # Requests with tools and `tool_choice` "auto" (every Anthropic request with tools, as vLLM translates it)
+        # need a tool-call parser; the pythonic one needs no special tokens in the vocabulary.
+        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
     ]
     if args.kv_events:
         shape, base = args.kv_events.split(":")

@@ -298,3 +298,67 @@ async fn vllms_request_span_nests_under_the_gateways_attempt_in_the_clients_trac
         hex(&upstream.span_id)
     );
 }
+
+/// Anthropic's official SDK through `serve` to vLLM's own `/v1/messages` (DP 2): four agents with Claude Code's
+/// session header, four turns each, a shared system prompt and tool, scripted `tool_use` / `tool_result` turns,
+/// streamed and not. Every later turn of an agent runs on its first turn's rank and reads its prefix from vLLM's
+/// cache there (vLLM's own report, `cache_read_input_tokens`, at least the previous turn's prompt rounded down to
+/// its 128-token blocks); the gateway's prompt and cached token counters are what vLLM reported.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_anthropic_sdk_keeps_each_agent_on_its_rank() {
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let (gw, log) = gateway(engine, "anthropic", "", CACHE_AWARE, "");
+    let python = common::python();
+    let url = gw.url.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(python)
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/anthropic_client.py"))
+            .args([url.as_str(), "smollm2", "4", "4"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let turns: Vec<Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(turns.len(), 16, "{stdout}");
+    let prompt = |t: &Value| -> u64 {
+        ["input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"]
+            .iter()
+            .map(|k| t[*k].as_u64().unwrap())
+            .sum()
+    };
+    for session in 0..4 {
+        let mine: Vec<&Value> = turns.iter().filter(|t| t["session"] == session).collect();
+        assert!(prompt(mine[0]) > 300, "{stdout}");
+        for pair in mine.windows(2) {
+            assert_eq!(
+                pair[1]["endpoint"], pair[0]["endpoint"],
+                "session {session} left its rank:\n{stdout}"
+            );
+            let blocks = prompt(pair[0]) / 128 * 128;
+            let read = pair[1]["cache_read_input_tokens"].as_u64().unwrap();
+            assert!(
+                read >= blocks,
+                "session {session}: {read} cached of {blocks}:\n{stdout}"
+            );
+        }
+    }
+    let total: u64 = turns.iter().map(prompt).sum();
+    let cached: u64 = turns
+        .iter()
+        .map(|t| t["cache_read_input_tokens"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        common::token_counters(&client(), &gw.url).await,
+        (total, cached),
+        "{stdout}"
+    );
+}

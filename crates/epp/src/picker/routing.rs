@@ -56,44 +56,17 @@ impl Stream {
                 dprouter_core::RouteError::NoHealthyEndpoint,
             )))?;
             let target = membership.targets[rank].clone();
-            let address = address(&target).ok_or(End::Gone)?;
-            let (mut set, remove) = rank_headers(&target, None, &headers, keyed);
-            self.trace_header(&mut set);
-            self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
-                .await?;
-            if !body.is_empty() {
-                for chunk in protocol::request_body_chunks(vec![body], trailers) {
-                    self.send(chunk).await?;
-                }
-            }
-            return Ok(Sent {
-                routed: None,
-                address,
-                target,
-                offered: vec![address],
-            });
+            // Its body, if it had one, goes on unchanged.
+            let pieces = if body.is_empty() { Vec::new() } else { vec![body] };
+            return self.without_ticket(target, &headers, keyed, (pieces, trailers)).await;
         }
         gateway::check_content_type(&header_map).map_err(End::Answer)?;
         if gateway::changes_no_cache(&path) {
             // Counted by the least loaded endpoint serving its model, with no ticket: it changes no cache.
             let placed = gateway::route_uncached(state, body, client.as_deref(), &allowed).map_err(End::Answer)?;
-            let target = placed.target;
-            let address = address(&target).ok_or(End::Gone)?;
-            let length: usize = placed.pieces.iter().map(Bytes::len).sum();
-            let (mut set, remove) = rank_headers(&target, None, &headers, keyed);
-            set.push(protocol::set_header("content-length", length.to_string()));
-            self.trace_header(&mut set);
-            self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
-                .await?;
-            for chunk in protocol::request_body_chunks(placed.pieces, trailers) {
-                self.send(chunk).await?;
-            }
-            return Ok(Sent {
-                routed: None,
-                address,
-                target,
-                offered: vec![address],
-            });
+            return self
+                .without_ticket(placed.target, &headers, keyed, (placed.pieces, trailers))
+                .await;
         }
         // Routing may wait in flow control's queue: a data plane that closes the stream meanwhile (its client went
         // away) takes the request out of it.
@@ -131,6 +104,37 @@ impl Stream {
             address,
             target,
             offered,
+        })
+    }
+
+    /// Sends a request that holds no ticket to `target`: its headers by the one rule, then `pieces` of its body
+    /// (`trailers`: trailers follow), its length said when it has one.
+    async fn without_ticket(
+        &self,
+        target: Target,
+        headers: &[(String, Vec<u8>)],
+        keyed: bool,
+        (pieces, trailers): (Vec<Bytes>, bool),
+    ) -> Result<Sent, End> {
+        let address = address(&target).ok_or(End::Gone)?;
+        let (mut set, remove) = rank_headers(&target, None, headers, keyed);
+        if !pieces.is_empty() {
+            let length: usize = pieces.iter().map(Bytes::len).sum();
+            set.push(protocol::set_header("content-length", length.to_string()));
+        }
+        self.trace_header(&mut set);
+        self.send(protocol::request_headers_reply(&address.to_string(), set, remove))
+            .await?;
+        if !pieces.is_empty() {
+            for chunk in protocol::request_body_chunks(pieces, trailers) {
+                self.send(chunk).await?;
+            }
+        }
+        Ok(Sent {
+            routed: None,
+            address,
+            target,
+            offered: vec![address],
         })
     }
 
