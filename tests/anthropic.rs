@@ -314,3 +314,48 @@ async fn count_tokens_is_counted_by_an_engine_and_teaches_no_policy() {
         "count_tokens is counted apart by its route"
     );
 }
+
+/// Claude Code's session header keeps an agent's turn on the endpoint of its last one even when its prompt alone
+/// would move it: here the turn starts with another client's long document, which that client sent to the other
+/// rank. Without the header the same turn goes where the document is cached; with it, home (`GET /workers` counts
+/// the session there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claude_code_session_stays_home_when_its_prompt_alone_would_move_it() {
+    let engine = Proc::engine(&["--dp-size", "2"]);
+    let gw = Proc::gateway(&[&engine], &["--policy", "cache_aware"]);
+    let c = client();
+    let url = format!("{}/v1/messages", gw.url);
+    let session = [("x-claude-code-session-id", "9f1c-agent")];
+    let message =
+        |text: String| json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": text}]});
+    let first = post(&c, &url, &session, &message("Start the task.".into())).await;
+    assert_eq!(first.status, StatusCode::OK, "{}", first.text);
+    let home = first.headers["x-dp-rank"].to_str().unwrap().to_string();
+    let other = if home == "0" { "1" } else { "0" };
+    let document = "The design document of the module, section by section. ".repeat(200);
+    let pinned = post(&c, &url, &[("x-data-parallel-rank", other)], &message(document.clone())).await;
+    assert_eq!(pinned.headers["x-dp-rank"].to_str().unwrap(), other, "{}", pinned.text);
+    let turn = message(format!("{document} Now summarize it."));
+    let by_prompt = post(&c, &url, &[], &turn).await;
+    assert_eq!(
+        by_prompt.headers["x-dp-rank"].to_str().unwrap(),
+        other,
+        "the prompt alone goes to its cache"
+    );
+    let kept = post(&c, &url, &session, &turn).await;
+    assert_eq!(
+        kept.headers["x-dp-rank"].to_str().unwrap(),
+        home,
+        "the session stays home"
+    );
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    let sessions: Vec<u64> = workers["workers"][0]["endpoints"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["sessions"].as_u64().unwrap())
+        .collect();
+    let home: usize = home.parse().unwrap();
+    assert_eq!(sessions[home], 1, "{workers}");
+    assert_eq!(workers["decisions"]["session"], 1, "{workers}");
+}

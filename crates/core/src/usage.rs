@@ -705,7 +705,11 @@ mod tests {
         );
         let mut scanner = UsageScanner::new(true);
         let at_delta = vllm.find("event: message_delta").unwrap();
-        assert_eq!(scanner.feed(&vllm.as_bytes()[..at_delta]), None, "the start's report may be partial");
+        assert_eq!(
+            scanner.feed(&vllm.as_bytes()[..at_delta]),
+            None,
+            "the start's report may be partial"
+        );
         assert_eq!(scanner.feed(&vllm.as_bytes()[at_delta..]), usage(600, 512));
         assert_eq!(scanner.output_tokens(), Some(4));
         // A stream that ends without a later report: the start's stands.

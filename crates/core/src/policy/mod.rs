@@ -21,6 +21,7 @@ pub mod prefix_affinity;
 pub mod prefix_match;
 pub mod random;
 pub mod round_robin;
+pub mod session_homes;
 pub mod total_requests;
 pub mod total_tokens;
 
@@ -59,11 +60,13 @@ pub enum Branch {
     Cold,
     /// Drawn at random.
     Drawn,
+    /// An active session's endpoint took it ([`session_homes`]).
+    Session,
 }
 
 impl Branch {
     /// Every branch, in the order of [`Branch::index`].
-    pub const ALL: [Branch; 11] = [
+    pub const ALL: [Branch; 12] = [
         Branch::Override,
         Branch::Turn,
         Branch::LeastLoaded,
@@ -75,6 +78,7 @@ impl Branch {
         Branch::Hit,
         Branch::Cold,
         Branch::Drawn,
+        Branch::Session,
     ];
 
     /// The branch's position in [`Branch::ALL`] (for per-branch counters in an array).
@@ -95,6 +99,7 @@ impl Branch {
             Branch::Hit => "hit",
             Branch::Cold => "cold",
             Branch::Drawn => "random",
+            Branch::Session => "session",
         }
     }
 }
@@ -246,6 +251,12 @@ pub trait Policy: Send + Sync {
         _req: &RouteRequest,
         _prepared: &Prepared,
     ) -> Option<(usize, u64)> {
+        None
+    }
+
+    /// The sessions active at `now_us` at each of `snap`'s endpoints, by rank, for a policy that keeps sessions at
+    /// home (`cache_aware`: [`session_homes`]); `None` for the others.
+    fn sessions_by_rank(&self, _snap: &Snapshot, _now_us: u64) -> Option<Vec<usize>> {
         None
     }
 

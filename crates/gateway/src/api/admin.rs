@@ -170,13 +170,14 @@ pub(crate) async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value>
     Json(json!({ "feeds": feeds }))
 }
 
-/// `GET /workers`: every worker and endpoint with health and load, and the policy's decisions.
+/// `GET /workers`: every worker and endpoint with health, load and active sessions, and the policy's decisions.
 pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     let membership = state.registry.membership();
     let now = crate::common::clock::now_us();
     let ranks: std::collections::HashMap<_, _> =
         membership.targets.iter().enumerate().map(|(r, t)| (t.id, r)).collect();
     let rank_of = |id| ranks.get(&id).copied();
+    let sessions = state.policies.sessions_by_rank(&membership.snapshot, now);
     let workers: Vec<Value> = state
         .registry
         .workers()
@@ -199,6 +200,7 @@ pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Val
                         "load_view": {"requests": view.requests, "tokens": view.tokens},
                         "engine_report": e.load.last_report().map(|r| json!({"requests": r.requests, "waiting": r.waiting, "tokens": r.tokens, "timestamp": r.timestamp})),
                         "saturated": state.flow.as_ref().map(|f| f.saturated(&e.load, w.kv_capacity, now)),
+                        "sessions": rank_of(e.id).and_then(|r| sessions.get(r)).copied().unwrap_or(0),
                     })
                 })
                 .collect();

@@ -39,6 +39,19 @@ impl Policies {
     }
 
     /// The policy of (aggregated) requests that name no model.
+    /// The sessions active at `now_us` at each of `snap`'s endpoints, by rank, over every policy that keeps them.
+    pub fn sessions_by_rank(&self, snap: &dprouter_core::Snapshot, now_us: u64) -> Vec<usize> {
+        let mut out = vec![0; snap.len()];
+        let by_model = self.by_model.load();
+        let policies = self.roles.iter().map(|(_, p)| p).chain(by_model.values());
+        for counts in policies.filter_map(|p| p.sessions_by_rank(snap, now_us)) {
+            for (total, n) in out.iter_mut().zip(counts) {
+                *total += n;
+            }
+        }
+        out
+    }
+
     pub fn default_policy(&self) -> &Arc<dyn Policy> {
         self.role_default(Role::Aggregated)
     }

@@ -383,15 +383,10 @@ async fn parse(
         let body = parse_body_as(&bytes, allow_overrides, api)?;
         (bytes, body)
     };
-    if body.route.session.is_none() {
-        let named = state
-            .config
-            .session_header
-            .as_deref()
-            .and_then(|name| headers.get(name));
-        body.route.session = named
-            .and_then(|v| v.to_str().ok())
-            .map(dprouter_core::request::session_hash);
+    // The session the agent's headers name comes first, then what the body says.
+    let configured = state.config.session_header.as_deref();
+    if let Some(session) = crate::admission::sessions::placement(headers, configured) {
+        body.route.session = Some(session);
     }
     if let (true, Some(h)) = (allow_overrides, headers.get(RANK_HEADER)) {
         let rank = h.to_str().ok().and_then(|s| s.trim().parse::<i64>().ok());

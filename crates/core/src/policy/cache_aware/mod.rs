@@ -70,90 +70,22 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
-use serde::{Deserialize, Serialize};
-
 use crate::block_index::BlockIndex;
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
+use crate::policy::session_homes::{SessionHomes, SESSION_CAPACITY};
 use crate::policy::{Branch, Candidates, Matched, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
+pub use config::CacheAwareConfig;
+
+mod config;
 mod contention;
 mod conversations;
 mod events;
 mod learned;
 mod recent;
-
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct CacheAwareConfig {
-    /// Tokens per indexed block (text prompts: 4 bytes per token).
-    pub block_tokens: usize,
-    /// KV capacity in tokens of an endpoint that does not report its own.
-    pub kv_capacity_tokens: u64,
-    /// One engine rank's prefill throughput, tokens per second.
-    pub prefill_tokens_per_s: f64,
-    /// Fixed time per prefill, milliseconds.
-    pub base_ms: f64,
-    /// How much the endpoints' prefills share compute (expert parallelism), from 0 (independent ranks) to 1: a
-    /// prefill is predicted longer by this share of the time it overlaps the prefill work queued at each other
-    /// endpoint (while k others prefill, it advances at about `1 / (1 + prefill_contention · k)` of its speed).
-    pub prefill_contention: f64,
-    /// Learn from the engines' reported cached tokens: a refuted prediction bounds how much of the prompts the
-    /// index sees the endpoint really keeps, and the index forgets at that capacity when it is below the given
-    /// one ([`learned`]; not in precise mode).
-    pub correct_on_feedback: bool,
-    /// Count the part of an endpoint's queue already prefilled (from the request's clock); `false` counts every
-    /// queued prefill whole.
-    pub prefill_progress: bool,
-    /// Charge for the delay this request's own prefill adds to the requests that will queue behind it: its
-    /// prefill time there, times this weight, times the requests already waiting for a first token there. 0
-    /// compares the plain predicted TTFT.
-    pub congestion_weight: f64,
-    /// Charge for the blocks of other prompts a choice makes the endpoint forget (its index over capacity): their
-    /// prefill time, times this weight. 0 counts only this request's own time.
-    pub eviction_weight: f64,
-    /// Cold placements (equal predictions) pass over endpoints sent more than `1 + recent_epsilon` times the
-    /// mean of the requests sent recently (counts that halve every this many seconds of request time).
-    pub recent_half_life_s: f64,
-    /// See `recent_half_life_s`.
-    pub recent_epsilon: f64,
-    /// The requests a conversation is expected to make in all: a placement is charged the delay its remaining
-    /// turns and those of the other conversations at the endpoint would cause each other there
-    /// (module `conversations`). 0 leaves the forecast out (each request is placed for its own time to first token).
-    pub session_turns: u32,
-    /// Precise mode: how long the blocks of a request routed to an endpoint with KV events stay in the index
-    /// unconfirmed by them, milliseconds (the engine's queue and prefill must fit in it).
-    pub event_grace_ms: u64,
-    /// A prompt no endpoint holds goes to its rendezvous choice among the endpoints predicted within this many
-    /// milliseconds of the lowest time to first token, rather than to the lowest: replicas that each see only
-    /// their own requests in flight then agree on where a new prefix goes while their views of the queues differ
-    /// by less than this. 0 (the default): the lowest.
-    pub cold_tolerance_ms: f64,
-}
-
-impl Default for CacheAwareConfig {
-    /// An 8B-class model on one H100 per rank (the simulator's `h100-8b` preset).
-    fn default() -> Self {
-        Self {
-            block_tokens: 64,
-            kv_capacity_tokens: 400_000,
-            prefill_tokens_per_s: 25_000.0,
-            base_ms: 25.0,
-            prefill_contention: 0.0,
-            correct_on_feedback: true,
-            prefill_progress: true,
-            congestion_weight: 1.0,
-            eviction_weight: 3.0,
-            recent_half_life_s: 60.0,
-            recent_epsilon: 0.05,
-            session_turns: 0,
-            event_grace_ms: 10_000,
-            cold_tolerance_ms: 0.0,
-        }
-    }
-}
 
 /// The index's size, for metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -185,6 +117,8 @@ struct State {
     recent: recent::Recent,
     /// The conversations followed, when `session_turns` is set.
     conversations: conversations::Conversations,
+    /// Where the active sessions went last (`session_ttl_ms`).
+    homes: SessionHomes,
 }
 
 impl State {
@@ -206,8 +140,13 @@ pub struct CacheAware {
 
 impl CacheAware {
     pub fn new(config: CacheAwareConfig) -> Self {
+        let state = State {
+            homes: SessionHomes::new(config.session_ttl_ms.saturating_mul(1000), SESSION_CAPACITY),
+            ..State::default()
+        };
         Self {
             config,
+            state: Mutex::new(state),
             ..Self::default()
         }
     }
@@ -494,7 +433,18 @@ impl Policy for CacheAware {
             .collect::<Vec<_>>();
         let tolerance_us = (self.config.cold_tolerance_ms.max(0.0) * 1000.0) as u64;
         let lowest = scored.iter().map(|(order, _)| order.0).min().unwrap_or(0);
+        // An active session goes home while its endpoint is routable and not too busy prefilling.
+        let home =
+            req.session
+                .and_then(|session| state.homes.home(session, req.now_us))
+                .and_then(|home| {
+                    let bound = self.config.session_max_queued_prefill_tokens;
+                    scored.iter().map(|(_, chosen)| *chosen).find(|&(r, _, _)| {
+                        snap.endpoints()[r].id == home && snap.load(r).queued_prefill_tokens() <= bound
+                    })
+                });
         let (rank, blocks, uncached) = match best_match == 0 && tolerance_us > 0 {
+            _ if home.is_some() => home,
             // A prompt nobody holds: the rendezvous choice among the endpoints predicted within the tolerance.
             true => scored
                 .iter()
@@ -506,6 +456,7 @@ impl Policy for CacheAware {
         .ok_or(RouteError::NoHealthyEndpoint)?;
         let slot = state.slot_of_rank[rank];
         let branch = match (best_match, blocks) {
+            _ if home.is_some() => Branch::Session,
             (0, _) => Branch::Cold,
             (best, got) if got == best => Branch::Hit,
             _ => Branch::Spill,
@@ -514,6 +465,9 @@ impl Policy for CacheAware {
             return Ok(Pick::new(rank, branch).with_prefill(uncached));
         }
         state.recent.record(slot, req.now_us, half_life_us);
+        if let Some(session) = req.session {
+            state.homes.record(session, snap.endpoints()[rank].id, req.now_us);
+        }
         if sessions > 0 {
             let service = self.prefill_us(1, uncached);
             let idle = half_life_us as u64;
@@ -551,6 +505,11 @@ impl Policy for CacheAware {
             })
             .filter(|&(_, cached)| cached > 0)
             .min_by_key(|&(r, cached)| (std::cmp::Reverse(cached), snap.load(r).queued_prefill_requests(), r))
+    }
+
+    fn sessions_by_rank(&self, snap: &Snapshot, now_us: u64) -> Option<Vec<usize>> {
+        let state = self.lock();
+        Some(snap.endpoints().iter().map(|e| state.homes.at(e.id, now_us)).collect())
     }
 
     fn pinned(&self, snap: &Snapshot, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {

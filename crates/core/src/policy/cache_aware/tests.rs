@@ -363,3 +363,58 @@ fn most_cached_names_the_endpoint_holding_the_longest_prefix_and_records_nothing
     let without = crate::policy::Candidates::accepting(&snap, &elsewhere);
     assert_eq!(p.most_cached(&without, &req, &prepared), None);
 }
+
+/// An active session's turn goes to the endpoint of its last one even when its prompt alone would move it (here
+/// another client's long prompt, which the turn now starts with, is cached at the other endpoint), until that
+/// endpoint is out, or its queued prefill work passes the bound, or the session has idled past its TTL.
+#[test]
+fn an_active_session_goes_home_until_its_endpoint_is_out_or_busy_or_it_idled() {
+    let config = CacheAwareConfig {
+        block_tokens: 16,
+        session_ttl_ms: 10_000,
+        session_max_queued_prefill_tokens: 4_000,
+        ..CacheAwareConfig::default()
+    };
+    let snap = Snapshot::single_worker(2);
+    let p = CacheAware::new(config);
+    let first = RouteRequest::tokens(prompt(1, 500)).with_session("agent-a").at(0);
+    let home = route(&p, &snap, &first).unwrap().rank;
+    let other = 1 - home;
+    let shared = prompt(9, 5_000);
+    drop(
+        dispatch(
+            &p,
+            &snap,
+            RouteRequest::tokens(shared.clone()).with_override(other as i64),
+        )
+        .unwrap(),
+    );
+    let next = [shared, prompt(2, 100)].concat();
+    let by_prompt = route(&p, &snap, &RouteRequest::tokens(next.clone()).at(1_000_000)).unwrap();
+    assert_eq!(
+        (by_prompt.rank, by_prompt.branch),
+        (other, Branch::Hit),
+        "the prompt alone moves it"
+    );
+    let turn = |now_us: u64| RouteRequest::tokens(next.clone()).with_session("agent-a").at(now_us);
+    let kept = route(&p, &snap, &turn(2_000_000)).unwrap();
+    assert_eq!((kept.rank, kept.branch), (home, Branch::Session));
+    assert_eq!(p.sessions_by_rank(&snap, 2_000_000).unwrap()[home], 1);
+    // Its endpoint out: the prompt decides.
+    let without_home = snap.with_health(|r, _| r != home);
+    assert_eq!(route(&p, &without_home, &turn(3_000_000)).unwrap().rank, other);
+    // Its endpoint busy prefilling (5,000 queued tokens, over the bound of 4,000): the prompt decides.
+    let busy = RouteRequest::tokens(prompt(5, 5_000)).with_override(home as i64);
+    let queued = dispatch(&p, &snap, busy).unwrap();
+    assert!(snap.load(home).queued_prefill_tokens() > 4_000);
+    assert_eq!(route(&p, &snap, &turn(4_000_000)).unwrap().rank, other);
+    drop(queued);
+    // Home again (the last turn went `other`: that is its home now), until it idles past the TTL.
+    assert_eq!(route(&p, &snap, &turn(5_000_000)).unwrap().branch, Branch::Session);
+    let idle = route(&p, &snap, &turn(20_000_000)).unwrap();
+    assert_ne!(
+        idle.branch,
+        Branch::Session,
+        "idle past its TTL, the session is forgotten"
+    );
+}
