@@ -223,6 +223,53 @@ async fn flows_of_a_band_take_turns() {
     );
 }
 
+/// An agent program is one flow however many subagents it runs: fifty subagents of one Claude Code session wait in
+/// one flow, and a second program's one request goes after the first of them, not after all fifty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_subagents_of_one_program_take_one_share() {
+    let c = common::client();
+    // Answers take 10 ms a token: the first, of 300 tokens, holds the one slot for 3 s while the others queue.
+    let engine = Proc::engine(&["--dp-size", "1", "--tpot-ms", "10"]);
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("flow_control");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("programs.toml");
+    let text = format!(
+        "[flow_control]\nenabled = true\nmax_in_flight_per_endpoint = 1\n\n[[workers]]\nurl = {:?}\ndp_size = 1\n",
+        engine.url
+    );
+    std::fs::write(&config, text).unwrap();
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--config", config.to_str().unwrap()]);
+    let url = format!("{}/v1/chat/completions", gw.url);
+    let long = json!({"model": "dprouter/mock", "max_tokens": 300, "messages": [{"role": "user", "content": "a long answer"}]});
+    let first = {
+        let (c, url) = (c.clone(), url.clone());
+        tokio::spawn(async move { post(&c, &url, &[], &long).await.status })
+    };
+    assert!(eventually(Duration::from_secs(5), || saturated(&c, &gw)).await);
+    let mut subagents = Vec::new();
+    for n in 1..=50 {
+        let agent = format!("subagent-{n}");
+        let headers = [
+            ("x-claude-code-session-id", "program-a"),
+            ("x-claude-code-agent-id", agent.as_str()),
+        ];
+        subagents.push(send_later(&c, &url, n, &headers));
+    }
+    assert!(eventually(Duration::from_secs(5), || async { waiting(&c, &gw).await == 50 }).await);
+    let other = send_later(&c, &url, 99, &[("x-claude-code-session-id", "program-b")]);
+    assert!(eventually(Duration::from_secs(5), || async { waiting(&c, &gw).await == 51 }).await);
+    assert_eq!(first.await.unwrap(), 200);
+    let other = other.await.unwrap();
+    assert_eq!(other.0, 200, "{}", other.1);
+    let mut before = 0;
+    for subagent in subagents {
+        let (status, text, end) = subagent.await.unwrap();
+        assert_eq!(status, 200, "{text}");
+        before += usize::from(end < other.2);
+    }
+    assert!(before <= 1, "program b waited behind {before} of program a's subagents");
+}
+
 /// A queued request's deadline passes into a clear 503, and one whose client goes away leaves the queue at once and
 /// never reaches the engine; nothing is left in flight or queued.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

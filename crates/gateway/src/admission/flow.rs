@@ -178,7 +178,12 @@ impl FlowControl {
     }
 
     /// The flow and the priority of a request of `client` (when keyed) with `headers`.
-    pub fn classify(&self, client: Option<&Client>, headers: &HeaderMap) -> Result<(String, i32), ApiError> {
+    pub fn classify(
+        &self,
+        client: Option<&Client>,
+        headers: &HeaderMap,
+        program: Option<u64>,
+    ) -> Result<(String, i32), ApiError> {
         let named = headers.get(OBJECTIVE_HEADER);
         let trusted = client.is_some() || self.config.trust_unkeyed_objectives;
         if named.is_some() && !trusted {
@@ -200,6 +205,10 @@ impl FlowControl {
         if let Some(client) = client {
             // A keyed client's flow is its own: a header cannot put it in another's.
             return Ok((client.name.to_string(), priority));
+        }
+        if let Some(program) = program {
+            // One agent program, one flow, however many subagents it runs (its id hashed: it is the client's word).
+            return Ok((format!("program:{program:016x}"), priority));
         }
         let flow = match headers.get(FAIRNESS_HEADER) {
             None => DEFAULT_FLOW.to_string(),

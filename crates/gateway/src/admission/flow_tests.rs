@@ -205,14 +205,24 @@ fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
     };
     let flow = FlowControl::new(&config, 0).unwrap();
     let mut headers = HeaderMap::new();
-    assert_eq!(flow.classify(None, &headers).unwrap(), (DEFAULT_FLOW.to_string(), 0));
+    assert_eq!(
+        flow.classify(None, &headers, None).unwrap(),
+        (DEFAULT_FLOW.to_string(), 0)
+    );
     headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());
     headers.insert(OBJECTIVE_HEADER, "critical".parse().unwrap());
-    assert_eq!(flow.classify(None, &headers).unwrap(), ("tenant-a".to_string(), 10));
+    assert_eq!(
+        flow.classify(None, &headers, None).unwrap(),
+        ("tenant-a".to_string(), 10)
+    );
     headers.insert(OBJECTIVE_HEADER, "unknown".parse().unwrap());
-    assert_eq!(flow.classify(None, &headers).unwrap().1, 0);
+    assert_eq!(flow.classify(None, &headers, None).unwrap().1, 0);
     headers.insert(FAIRNESS_HEADER, "x".repeat(300).parse().unwrap());
-    assert_eq!(flow.classify(None, &headers).unwrap_err().status(), 400);
+    assert_eq!(flow.classify(None, &headers, None).unwrap_err().status(), 400);
+    // An agent's program is its flow, before the fairness header; a keyed client's flow stays its own.
+    headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());
+    let program = flow.classify(None, &headers, Some(0xabc)).unwrap().0;
+    assert_eq!(program, "program:0000000000000abc");
 }
 
 #[test]
@@ -227,13 +237,13 @@ fn unkeyed_objectives_can_be_ignored() {
     let mut headers = HeaderMap::new();
     headers.insert(OBJECTIVE_HEADER, "critical".parse().unwrap());
     assert_eq!(
-        flow.classify(None, &headers).unwrap().1,
+        flow.classify(None, &headers, None).unwrap().1,
         0,
         "an unkeyed objective is ignored"
     );
     headers.insert(OBJECTIVE_HEADER, "batch".parse().unwrap());
     assert_eq!(
-        flow.classify(None, &headers).unwrap().1,
+        flow.classify(None, &headers, None).unwrap().1,
         0,
         "even one that lowers the priority"
     );

@@ -6,7 +6,9 @@
 //! [`dprouter_core::request_body`]).
 //!
 //! The placement key is the session, and for a subagent the session and the agent together: a subagent has its
-//! own system prompt, so it is a session of its own where its cache is concerned, not its parent's. These ids are
+//! own system prompt, so it is a session of its own where its cache is concerned, not its parent's. For flow
+//! control's fairness a subagent is its program's, the root session's ([`program`]): one agent that spawns fifty
+//! subagents takes one share, not fifty. These ids are
 //! the client's word, untrusted: only their hash is kept (clipped to [`MAX_ID_BYTES`] first), and they appear in
 //! no metric or log.
 
@@ -24,6 +26,9 @@ pub const SESSION_HEADERS: [&str; 5] = [
 /// The headers that name a subagent within the session its request names.
 pub const AGENT_HEADERS: [&str; 1] = ["x-claude-code-agent-id"];
 
+/// The headers that name a subagent's parent session, beside the subagent's own (OpenCode's).
+pub const PARENT_HEADERS: [&str; 1] = ["x-parent-session-id"];
+
 /// The most bytes of an id read.
 pub const MAX_ID_BYTES: usize = 256;
 
@@ -35,6 +40,18 @@ fn id<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .take_while(|&e| e <= MAX_ID_BYTES)
         .last();
     Some(&value[..end?])
+}
+
+/// The hash of the program the request belongs to, for flow control's fairness: the root session its headers
+/// name (a subagent's parent's, whichever way the agent names it); `None` when no header names a session.
+pub fn program(headers: &HeaderMap, configured: Option<&str>) -> Option<u64> {
+    let root = PARENT_HEADERS
+        .iter()
+        .copied()
+        .chain(SESSION_HEADERS)
+        .chain(configured)
+        .find_map(|name| id(headers, name).filter(|v| !v.is_empty()))?;
+    Some(dprouter_core::request::session_hash(root))
 }
 
 /// The hash of the session the request's headers name (`configured`: the operator's own header, read after the
@@ -102,6 +119,18 @@ mod tests {
             None,
             "blank names none"
         );
+    }
+
+    #[test]
+    fn a_programs_subagents_are_one_program() {
+        let parent = headers(&[("x-claude-code-session-id", "p")]);
+        let sub = headers(&[("x-claude-code-session-id", "p"), ("x-claude-code-agent-id", "a1")]);
+        assert_eq!(program(&parent, None), program(&sub, None));
+        assert_ne!(placement(&parent, None), placement(&sub, None));
+        let opencode = headers(&[("x-session-id", "child"), ("x-parent-session-id", "root")]);
+        assert_eq!(program(&opencode, None), Some(session_hash("root")));
+        assert_eq!(placement(&opencode, None), Some(session_hash("child")));
+        assert_eq!(program(&HeaderMap::new(), None), None);
     }
 
     #[test]

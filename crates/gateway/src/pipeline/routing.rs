@@ -190,7 +190,7 @@ pub async fn route(
     // A pin passes the balancer by: a keyed client pins only if it may.
     let pins = state.config.allow_client_overrides && client.as_ref().is_none_or(|c| c.allow_pins);
     let api = api_of(path);
-    let (bytes, body) = parse(state, (headers, api), bytes, pins).await?;
+    let (bytes, body, program) = parse(state, (headers, api), bytes, pins).await?;
     let RequestBody {
         mut route,
         layout,
@@ -258,7 +258,7 @@ pub async fn route(
     // with the load of the moment it leaves (late binding). A pin passes the queue by, as it passes the balancer.
     let admitted = match (&state.flow, route.rank_override) {
         (Some(flow), None) => {
-            let (flow_id, priority) = flow.classify(client.as_deref(), headers)?;
+            let (flow_id, priority) = flow.classify(client.as_deref(), headers, program)?;
             // An aggregated request may wait for the endpoint that holds its prefix (a disaggregated one takes the
             // decode endpoint with room: its prefix is the prefill leg's).
             let affinity = match flow.prefix_wait() && !crate::pipeline::pairing::disaggregated(&membership, &serving) {
@@ -366,15 +366,15 @@ pub(crate) fn api_of(path: &str) -> Api {
     }
 }
 
-/// Reads the routing fields of `bytes` as `api` reads them (on the blocking pool when the body is large) and the
-/// rank header. `allow_overrides`: the client may pin a rank (otherwise its pins are ignored, and never reach a
-/// worker).
+/// Reads the routing fields of `bytes` as `api` reads them (on the blocking pool when the body is large), the rank
+/// header, and the session and program ([`crate::admission::sessions`]). `allow_overrides`: the client may pin a
+/// rank (otherwise its pins are ignored, and never reach a worker).
 async fn parse(
     state: &AppState,
     (headers, api): (&HeaderMap, Api),
     bytes: Bytes,
     allow_overrides: bool,
-) -> Result<(Bytes, RequestBody), ApiError> {
+) -> Result<(Bytes, RequestBody, Option<u64>), ApiError> {
     let (bytes, mut body) = if bytes.len() > BLOCKING_PARSE_BYTES {
         tokio::task::spawn_blocking(move || parse_body_as(&bytes, allow_overrides, api).map(|b| (bytes, b)))
             .await
@@ -383,8 +383,10 @@ async fn parse(
         let body = parse_body_as(&bytes, allow_overrides, api)?;
         (bytes, body)
     };
-    // The session the agent's headers name comes first, then what the body says.
+    // The session the agent's headers name comes first, then what the body says; its program likewise, for flow
+    // control's fairness.
     let configured = state.config.session_header.as_deref();
+    let program = crate::admission::sessions::program(headers, configured).or(body.route.session);
     if let Some(session) = crate::admission::sessions::placement(headers, configured) {
         body.route.session = Some(session);
     }
@@ -393,7 +395,7 @@ async fn parse(
         body.route.rank_override =
             Some(rank.ok_or_else(|| ApiError::BadRequest("X-Data-Parallel-Rank must be an integer".into()))?);
     }
-    Ok((bytes, body))
+    Ok((bytes, body, program))
 }
 
 /// The model a request is for, as the workers know it (after the config's aliases); `None` for a request that
