@@ -13,6 +13,7 @@ use tokio::net::TcpListener;
 pub mod api;
 pub mod disagg;
 pub mod engine;
+mod job;
 pub mod kv_publisher;
 mod messages;
 mod render;

@@ -9,41 +9,16 @@
 //! gets one `tool_use` block calling it (the first tool for `any`), its `input` `{"text": …}` the generated text,
 //! and `stop_reason` `tool_use`; any other answer is one text block stopped at the token limit (`max_tokens`).
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 
-use crate::api::{parse_job, serve_job, AppState};
-use crate::render::{Kind, Renderer};
-
-/// `POST /v1/messages`.
-pub(crate) async fn messages(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    anthropic_errors(serve_job(s, Kind::Messages, &headers, &body, None).await).await
-}
-
-/// `POST /v1/messages/count_tokens`: `{"input_tokens": n}`, the prompt's tokens as the engine renders it.
-pub(crate) async fn count_tokens(State(s): State<AppState>, headers: HeaderMap, body: Bytes) -> Response {
-    let config = s.engine.config();
-    match parse_job(
-        Kind::Messages,
-        config.api,
-        config.tokenizer.as_deref(),
-        &headers,
-        &body,
-        None,
-    ) {
-        Ok(job) => Json(json!({"input_tokens": job.tokens.len()})).into_response(),
-        Err(message) => anthropic_errors(crate::render::error(StatusCode::BAD_REQUEST, message)).await,
-    }
-}
+use crate::render::Renderer;
 
 /// An error answer in Anthropic's shape (`{"type": "error", "error": {"type", "message"}}`), as the engines answer
 /// the Messages routes; any other answer as it is.
-async fn anthropic_errors(response: Response) -> Response {
+pub(crate) async fn anthropic_errors(response: Response) -> Response {
     let status = response.status();
     if status.is_success() {
         return response;
