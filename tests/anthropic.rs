@@ -358,4 +358,7 @@ async fn a_claude_code_session_stays_home_when_its_prompt_alone_would_move_it() 
     let home: usize = home.parse().unwrap();
     assert_eq!(sessions[home], 1, "{workers}");
     assert_eq!(workers["decisions"]["session"], 1, "{workers}");
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    let series = format!("dprouter_endpoint_sessions{{endpoint=\"w0r{home}\"}} 1");
+    assert!(metrics.lines().any(|l| l == series), "{series} in {metrics}");
 }

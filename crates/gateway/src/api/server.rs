@@ -408,7 +408,10 @@ async fn render_metrics(State(state): State<Arc<AppState>>) -> Response {
             metrics::gauge!(telemetry::SATURATED, "endpoint" => target.label()).set(f64::from(u8::from(saturated)));
         }
     }
-    let text = telemetry::render(&membership);
+    let sessions = state
+        .policies
+        .sessions_by_rank(&membership.snapshot, crate::common::clock::now_us());
+    let text = telemetry::render(&membership, &sessions);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

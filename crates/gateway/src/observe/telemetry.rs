@@ -8,6 +8,7 @@
 //! | `dprouter_retries_total` | counter | |
 //! | `dprouter_endpoint_in_flight_requests` | gauge | `endpoint` |
 //! | `dprouter_endpoint_healthy` | gauge | `endpoint` |
+//! | `dprouter_endpoint_sessions` | gauge | `endpoint` (the sessions active there: `cache_aware` keeps them home) |
 //! | `dprouter_ttft_seconds` | histogram | `endpoint` (streaming responses: request received to first byte) |
 //! | `dprouter_request_duration_seconds` | histogram | `route` (request received to the end of the response body) |
 //! | `dprouter_prompt_tokens_total`, `dprouter_cached_tokens_total` | counter | `endpoint` (from engine usage reports; their ratio is the observed cache hit rate) |
@@ -38,6 +39,7 @@ pub const UPSTREAM_ERRORS: &str = "dprouter_upstream_errors_total";
 pub const RETRIES: &str = "dprouter_retries_total";
 pub const IN_FLIGHT: &str = "dprouter_endpoint_in_flight_requests";
 pub const HEALTHY: &str = "dprouter_endpoint_healthy";
+pub const SESSIONS: &str = "dprouter_endpoint_sessions";
 pub const TTFT: &str = "dprouter_ttft_seconds";
 pub const DURATION: &str = "dprouter_request_duration_seconds";
 pub const PROMPT_TOKENS: &str = "dprouter_prompt_tokens_total";
@@ -65,6 +67,7 @@ pub const ALL: &[&str] = &[
     RETRIES,
     IN_FLIGHT,
     HEALTHY,
+    SESSIONS,
     TTFT,
     DURATION,
     PROMPT_TOKENS,
@@ -111,10 +114,19 @@ pub fn handle() -> Option<&'static PrometheusHandle> {
         .as_ref()
 }
 
-/// Sets the per-endpoint gauges from the current membership, then renders everything.
-pub fn render(membership: &Membership) -> String {
-    for (endpoint, target) in membership.snapshot.endpoints().iter().zip(&membership.targets) {
+/// Sets the per-endpoint gauges from the current membership (and the sessions active at each endpoint, by rank),
+/// then renders everything.
+pub fn render(membership: &Membership, sessions: &[usize]) -> String {
+    for (rank, (endpoint, target)) in membership
+        .snapshot
+        .endpoints()
+        .iter()
+        .zip(&membership.targets)
+        .enumerate()
+    {
         let label = target.label();
+        let active = sessions.get(rank).copied().unwrap_or(0);
+        metrics::gauge!(SESSIONS, "endpoint" => label.clone()).set(active as f64);
         metrics::gauge!(IN_FLIGHT, "endpoint" => label.clone()).set(endpoint.load.in_flight_requests() as f64);
         metrics::gauge!(HEALTHY, "endpoint" => label).set(if endpoint.healthy { 1.0 } else { 0.0 });
     }
