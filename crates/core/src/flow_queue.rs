@@ -1,10 +1,12 @@
 //! Flow control's central queue, as a data structure: requests waiting while every endpoint they may use is
-//! saturated, in **bands** by priority and within a band in **flows** by fairness id (a client's name, or the
-//! `x-gateway-inference-fairness-id` header).
+//! saturated, in **bands** by priority, within a band in **groups** (a keyed client, or an unkeyed flow alone), and
+//! within a group in **flows** (a client's agent programs; [`FlowQueue::push_in`]).
 //!
-//! The order is the Gateway API Inference Extension's: strict priority between bands (a higher band's request always
-//! goes first), a fair share between the flows of a band, first come first served within a flow. The share is round
-//! robin by request: the flows of a band take turns, one request each. Deficit round robin by prompt tokens would
+//! The order is the Gateway API Inference Extension's, with one more level: strict priority between bands (a higher
+//! band's request always goes first), a fair share between the groups of a band, then between the flows of a group,
+//! first come first served within a flow. The share is round robin by request: the groups of a band take turns, one
+//! request each, and a group's turn goes to its flows in turn. So clients share the pool equally, however many
+//! programs each runs, and a client's programs share its part. Deficit round robin by prompt tokens would
 //! share the engines' prefill work more evenly between flows of very different prompt sizes, but a request's cost on
 //! a cache-aware fleet is its *uncached* tokens, which are not known until it is routed (late binding); per request,
 //! a small tenant's wait is bounded by the number of flows ahead of it, whatever the others send. The structure
@@ -13,10 +15,15 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
-/// One band: its flows' queues, and the flows with requests in the order they take turns.
+/// A flow: its group and its own name.
+type FlowKey = (Arc<str>, Arc<str>);
+
+/// One band: its flows' queues, each group's flows with requests in the order they take the group's turns, and the
+/// groups with requests in the order they take turns.
 #[derive(Debug)]
 struct Band<T> {
-    flows: HashMap<Arc<str>, VecDeque<Entry<T>>>,
+    flows: HashMap<FlowKey, VecDeque<Entry<T>>>,
+    groups: HashMap<Arc<str>, VecDeque<Arc<str>>>,
     turns: VecDeque<Arc<str>>,
     len: usize,
     bytes: usize,
@@ -26,9 +33,26 @@ impl<T> Default for Band<T> {
     fn default() -> Self {
         Self {
             flows: HashMap::new(),
+            groups: HashMap::new(),
             turns: VecDeque::new(),
             len: 0,
             bytes: 0,
+        }
+    }
+}
+
+impl<T> Band<T> {
+    /// The flow `key` has no entry left: out of its group's turns, and its group out of the band's when it has no
+    /// flow left.
+    fn emptied(&mut self, key: &FlowKey) {
+        self.flows.remove(key);
+        let (group, flow) = key;
+        if let Some(flows) = self.groups.get_mut(group) {
+            flows.retain(|f| f != flow);
+            if flows.is_empty() {
+                self.groups.remove(group);
+                self.turns.retain(|g| g != group);
+            }
         }
     }
 }
@@ -46,7 +70,7 @@ pub struct FlowQueue<T> {
     /// By priority; the highest is served first.
     bands: BTreeMap<i32, Band<T>>,
     /// Where each entry waits: its band and flow.
-    places: HashMap<u64, (i32, Arc<str>)>,
+    places: HashMap<u64, (i32, FlowKey)>,
     next_id: u64,
     bytes: usize,
 }
@@ -70,10 +94,11 @@ pub struct BandSize {
     pub bytes: usize,
 }
 
-/// One flow's size within a band, for metrics.
+/// One group's size within a band, for metrics (its flows together: their number has no bound).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FlowSize {
     pub priority: i32,
+    /// The group's name.
     pub flow: Arc<str>,
     pub requests: usize,
     pub bytes: usize,
@@ -111,48 +136,72 @@ impl<T> FlowQueue<T> {
             .collect()
     }
 
-    /// Each flow with entries, by band (highest priority first), in no particular order within a band.
+    /// Each group with entries, by band (highest priority first), in no particular order within a band.
     pub fn flows(&self) -> Vec<FlowSize> {
-        self.bands
-            .iter()
-            .rev()
-            .flat_map(|(&priority, band)| {
-                band.flows.iter().map(move |(flow, entries)| FlowSize {
+        let mut out: Vec<FlowSize> = Vec::new();
+        for (&priority, band) in self.bands.iter().rev() {
+            for (group, flows) in &band.groups {
+                let entries = flows
+                    .iter()
+                    .filter_map(|f| band.flows.get(&(Arc::clone(group), Arc::clone(f))))
+                    .flatten();
+                let (requests, bytes) = entries.fold((0, 0), |(n, b), e| (n + 1, b + e.bytes));
+                out.push(FlowSize {
                     priority,
-                    flow: Arc::clone(flow),
-                    requests: entries.len(),
-                    bytes: entries.iter().map(|e| e.bytes).sum(),
-                })
-            })
-            .collect()
+                    flow: Arc::clone(group),
+                    requests,
+                    bytes,
+                });
+            }
+        }
+        out
     }
 
-    /// Queues `item` of `flow` at `priority`, holding `bytes`; returns its id (for [`FlowQueue::remove`]).
+    /// Queues `item` of `flow` (a group of its own) at `priority`, holding `bytes`; returns its id (for
+    /// [`FlowQueue::remove`]).
     pub fn push(&mut self, priority: i32, flow: &str, bytes: usize, item: T) -> u64 {
+        self.push_in(priority, (flow, flow), bytes, item)
+    }
+
+    /// Queues `item` of `flow` in `group` at `priority`, holding `bytes`; returns its id.
+    pub fn push_in(&mut self, priority: i32, (group, flow): (&str, &str), bytes: usize, item: T) -> u64 {
         let id = self.next_id;
         self.next_id += 1;
         let band = self.bands.entry(priority).or_default();
-        let flow: Arc<str> = match band.flows.get_key_value(flow) {
+        let group: Arc<str> = match band.groups.get_key_value(group) {
             Some((name, _)) => Arc::clone(name),
-            None => Arc::from(flow),
+            None => Arc::from(group),
         };
-        let queue = band.flows.entry(Arc::clone(&flow)).or_default();
-        if queue.is_empty() {
-            band.turns.push_back(Arc::clone(&flow));
+        let flows = band.groups.entry(Arc::clone(&group)).or_default();
+        if flows.is_empty() {
+            band.turns.push_back(Arc::clone(&group));
         }
-        queue.push_back(Entry { id, bytes, item });
+        let flow: Arc<str> = match flows.iter().find(|f| &***f == flow) {
+            Some(name) => Arc::clone(name),
+            None => {
+                let name: Arc<str> = Arc::from(flow);
+                flows.push_back(Arc::clone(&name));
+                name
+            }
+        };
+        let key = (group, flow);
+        band.flows
+            .entry(key.clone())
+            .or_default()
+            .push_back(Entry { id, bytes, item });
         band.len += 1;
         band.bytes += bytes;
         self.bytes += bytes;
-        self.places.insert(id, (priority, flow));
+        self.places.insert(id, (priority, key));
         id
     }
 
     /// The entry [`FlowQueue::pop`] would take, and its id.
     pub fn peek(&self) -> Option<(u64, &T)> {
         let band = self.bands.values().next_back()?;
-        let flow = band.turns.front()?;
-        let entry = band.flows.get(flow)?.front()?;
+        let group = band.turns.front()?;
+        let flow = band.groups.get(group)?.front()?;
+        let entry = band.flows.get(&(Arc::clone(group), Arc::clone(flow)))?.front()?;
         Some((entry.id, &entry.item))
     }
 
@@ -162,29 +211,40 @@ impl<T> FlowQueue<T> {
         self.pop_first(|_| true)
     }
 
-    /// Takes the first entry in service order that `ready` lets go: bands by priority, their flows in turn, each
-    /// flow's entries oldest first, skipping those `ready` holds back. Entries are held back by what they wait for
-    /// (their pool's room), so those waiting for the same thing still go first come first served, and one for
-    /// another pool need not wait behind them. The flow it came from passes its turn to the next.
+    /// Takes the first entry in service order that `ready` lets go: bands by priority, their groups in turn, a
+    /// group's flows in turn, each flow's entries oldest first, skipping those `ready` holds back. Entries are held
+    /// back by what they wait for (their pool's room), so those waiting for the same thing still go first come
+    /// first served, and one for another pool need not wait behind them. The group and the flow it came from pass
+    /// their turns to the next.
     pub fn pop_first(&mut self, ready: impl Fn(&T) -> bool) -> Option<(u64, T)> {
         let mut found = None;
         'bands: for (&priority, band) in self.bands.iter().rev() {
-            for (turn, flow) in band.turns.iter().enumerate() {
-                if let Some(at) = band.flows.get(flow)?.iter().position(|e| ready(&e.item)) {
-                    found = Some((priority, turn, at));
-                    break 'bands;
+            for (group_turn, group) in band.turns.iter().enumerate() {
+                for (flow_turn, flow) in band.groups.get(group)?.iter().enumerate() {
+                    let key = (Arc::clone(group), Arc::clone(flow));
+                    if let Some(at) = band.flows.get(&key)?.iter().position(|e| ready(&e.item)) {
+                        found = Some((priority, group_turn, flow_turn, key, at));
+                        break 'bands;
+                    }
                 }
             }
         }
-        let (priority, turn, at) = found?;
+        let (priority, group_turn, flow_turn, key, at) = found?;
         let band = self.bands.get_mut(&priority)?;
-        let flow = band.turns.remove(turn)?;
-        let queue = band.flows.get_mut(&flow)?;
+        let queue = band.flows.get_mut(&key)?;
         let entry = queue.remove(at)?;
+        // The flow's turn in its group passes (or it leaves, empty), and the group's in the band (or it leaves).
         if queue.is_empty() {
-            band.flows.remove(&flow);
-        } else {
-            band.turns.push_back(flow);
+            band.emptied(&key);
+        } else if let Some(flows) = band.groups.get_mut(&key.0) {
+            let flow = flows.remove(flow_turn);
+            debug_assert_eq!(flow.as_ref(), Some(&key.1));
+            flows.extend(flow);
+        }
+        if band.groups.contains_key(&key.0) {
+            let group = band.turns.remove(group_turn);
+            debug_assert_eq!(group.as_ref(), Some(&key.0));
+            band.turns.extend(group);
         }
         self.taken(priority, entry.bytes);
         self.places.remove(&entry.id);
@@ -202,14 +262,13 @@ impl<T> FlowQueue<T> {
 
     /// Takes the entry `id` out wherever it waits (its client went away, or its deadline passed).
     pub fn remove(&mut self, id: u64) -> Option<T> {
-        let (priority, flow) = self.places.remove(&id)?;
+        let (priority, key) = self.places.remove(&id)?;
         let band = self.bands.get_mut(&priority)?;
-        let queue = band.flows.get_mut(&flow)?;
+        let queue = band.flows.get_mut(&key)?;
         let at = queue.iter().position(|e| e.id == id)?;
         let entry = queue.remove(at)?;
         if queue.is_empty() {
-            band.flows.remove(&flow);
-            band.turns.retain(|f| *f != flow);
+            band.emptied(&key);
         }
         self.taken(priority, entry.bytes);
         Some(entry.item)
@@ -301,6 +360,35 @@ mod tests {
         assert_eq!(q.pop().map(|(_, i)| i.1), Some(0));
         assert_eq!(q.pop().map(|(_, i)| i.1), Some(3));
         assert!(q.is_empty() && q.bytes() == 0);
+    }
+
+    #[test]
+    fn groups_take_turns_then_their_flows() {
+        let mut q = FlowQueue::new();
+        // Client `a` runs three programs with three requests each; client `b` one program with three.
+        for i in 0..3 {
+            for program in ["p1", "p2", "p3"] {
+                q.push_in(0, ("a", program), 1, format!("a/{program}/{i}"));
+            }
+            q.push_in(0, ("b", "q"), 1, format!("b/q/{i}"));
+        }
+        let order: Vec<String> = std::iter::from_fn(|| q.pop().map(|(_, item)| item)).collect();
+        assert_eq!(
+            order,
+            [
+                "a/p1/0", "b/q/0", "a/p2/0", "b/q/1", "a/p3/0", "b/q/2", "a/p1/1", "a/p2/1", "a/p3/1", "a/p1/2",
+                "a/p2/2", "a/p3/2"
+            ]
+        );
+        assert!(q.is_empty() && q.flows().is_empty());
+        q.push_in(0, ("a", "p1"), 2, "x".to_string());
+        q.push_in(0, ("a", "p2"), 3, "y".to_string());
+        let sizes = q.flows();
+        assert_eq!(
+            (sizes.len(), sizes[0].requests, sizes[0].bytes),
+            (1, 2, 5),
+            "one series per group"
+        );
     }
 
     #[test]

@@ -115,11 +115,30 @@ pub struct FlowControl {
 }
 
 /// What flow control knows of a request.
+/// A request's place in flow control's fairness: its group (a keyed client, or the flow alone) and its flow within
+/// the group (an agent program).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlowId {
+    pub group: String,
+    pub flow: String,
+}
+
+impl FlowId {
+    /// A flow that is a group of its own.
+    pub fn alone(name: impl Into<String>) -> Self {
+        let name = name.into();
+        Self {
+            group: name.clone(),
+            flow: name,
+        }
+    }
+}
+
 pub struct Demand<'a> {
     /// The model as the workers know it (`None`: any worker serves it).
     pub model: Option<&'a str>,
     pub priority: i32,
-    pub flow: &'a str,
+    pub flow: &'a FlowId,
     /// Its body's bytes, held while it waits.
     pub bytes: usize,
     /// Its routing data, for a request that may wait for the endpoint holding its prefix (`prefix_wait_ms`); given
@@ -183,7 +202,7 @@ impl FlowControl {
         client: Option<&Client>,
         headers: &HeaderMap,
         program: Option<u64>,
-    ) -> Result<(String, i32), ApiError> {
+    ) -> Result<(FlowId, i32), ApiError> {
         let named = headers.get(OBJECTIVE_HEADER);
         let trusted = client.is_some() || self.config.trust_unkeyed_objectives;
         if named.is_some() && !trusted {
@@ -202,13 +221,16 @@ impl FlowControl {
             (Some(c), None) => c.priority,
             (None, o) => o.unwrap_or(0),
         };
+        // One agent program, one flow, however many subagents it runs (its id hashed: it is the client's word).
+        let program = program.map(|p| format!("program:{p:016x}"));
         if let Some(client) = client {
-            // A keyed client's flow is its own: a header cannot put it in another's.
-            return Ok((client.name.to_string(), priority));
+            // A keyed client's group is its own (a header cannot put it in another's); its programs share its turns.
+            let group = client.name.to_string();
+            let flow = program.unwrap_or_else(|| group.clone());
+            return Ok((FlowId { group, flow }, priority));
         }
         if let Some(program) = program {
-            // One agent program, one flow, however many subagents it runs (its id hashed: it is the client's word).
-            return Ok((format!("program:{program:016x}"), priority));
+            return Ok((FlowId::alone(program), priority));
         }
         let flow = match headers.get(FAIRNESS_HEADER) {
             None => DEFAULT_FLOW.to_string(),
@@ -222,7 +244,7 @@ impl FlowControl {
                 id.to_string()
             }
         };
-        Ok((flow, priority))
+        Ok((FlowId::alone(flow), priority))
     }
 
     /// Lets the request go at once, or queues it until its pool has room (see the module documentation).
@@ -293,7 +315,8 @@ impl FlowControl {
                 model: demand.model.map(str::to_owned),
                 affinity: demand.affinity,
             };
-            let id = queue.entries.push(demand.priority, demand.flow, demand.bytes, waiter);
+            let flow = (demand.flow.group.as_str(), demand.flow.flow.as_str());
+            let id = queue.entries.push_in(demand.priority, flow, demand.bytes, waiter);
             publish(&mut queue);
             (id, released)
         };

@@ -37,10 +37,11 @@ fn one_slot() -> (Arc<FlowControl>, Arc<Registry>) {
 }
 
 fn demand() -> Demand<'static> {
+    static DEFAULT: std::sync::LazyLock<FlowId> = std::sync::LazyLock::new(|| FlowId::alone(DEFAULT_FLOW));
     Demand {
         model: None,
         priority: 0,
-        flow: DEFAULT_FLOW,
+        flow: &DEFAULT,
         bytes: 100,
         affinity: None,
     }
@@ -166,8 +167,9 @@ async fn strict_priority_between_bands_and_turns_between_flows() {
         tokio::spawn({
             let (flow, registry, tx) = (Arc::clone(&flow), Arc::clone(&registry), tx.clone());
             async move {
+                let flow_id = FlowId::alone(flow_id);
                 let demand = Demand {
-                    flow: flow_id,
+                    flow: &flow_id,
                     priority,
                     ..demand()
                 };
@@ -207,13 +209,13 @@ fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
     let mut headers = HeaderMap::new();
     assert_eq!(
         flow.classify(None, &headers, None).unwrap(),
-        (DEFAULT_FLOW.to_string(), 0)
+        (FlowId::alone(DEFAULT_FLOW), 0)
     );
     headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());
     headers.insert(OBJECTIVE_HEADER, "critical".parse().unwrap());
     assert_eq!(
         flow.classify(None, &headers, None).unwrap(),
-        ("tenant-a".to_string(), 10)
+        (FlowId::alone("tenant-a"), 10)
     );
     headers.insert(OBJECTIVE_HEADER, "unknown".parse().unwrap());
     assert_eq!(flow.classify(None, &headers, None).unwrap().1, 0);
@@ -222,7 +224,37 @@ fn a_keyed_clients_flow_is_its_own_and_objectives_set_priorities() {
     // An agent's program is its flow, before the fairness header; a keyed client's flow stays its own.
     headers.insert(FAIRNESS_HEADER, "tenant-a".parse().unwrap());
     let program = flow.classify(None, &headers, Some(0xabc)).unwrap().0;
-    assert_eq!(program, "program:0000000000000abc");
+    assert_eq!(program, FlowId::alone("program:0000000000000abc"));
+}
+
+#[test]
+fn a_keyed_clients_programs_are_flows_within_its_group() {
+    let flow = FlowControl::new(
+        &FlowControlConfig {
+            enabled: true,
+            ..Default::default()
+        },
+        0,
+    )
+    .unwrap();
+    // `printf %s key-alice | sha256sum`.
+    let alice = crate::config::clients::ClientConfig {
+        name: "alice".into(),
+        key_sha256: "87844ec0b0d738e89628640588acaa48537b814a5c4f9697e3b352d11ffedaef".into(),
+        ..Default::default()
+    };
+    let clients = crate::admission::clients::Clients::new(&[alice]);
+    let mut headers = HeaderMap::new();
+    headers.insert("authorization", "Bearer key-alice".parse().unwrap());
+    let client = clients.admit(&headers).unwrap().unwrap();
+    headers.insert(FAIRNESS_HEADER, "mallory".parse().unwrap());
+    let (id, _) = flow.classify(Some(&client), &headers, Some(7)).unwrap();
+    assert_eq!(
+        (id.group.as_str(), id.flow.as_str()),
+        ("alice", "program:0000000000000007")
+    );
+    let (id, _) = flow.classify(Some(&client), &headers, None).unwrap();
+    assert_eq!(id, FlowId::alone("alice"));
 }
 
 #[test]
