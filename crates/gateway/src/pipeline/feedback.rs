@@ -56,10 +56,8 @@ impl FirstToken {
         let keep = Self::MARKER.len() - 1;
         self.tail.extend_from_slice(&data[..data.len().min(keep)]);
         let seen = found(&self.tail) || found(data);
-        let mut tail = self.tail.split_off(0);
-        tail.clear();
-        tail.extend_from_slice(&data[data.len().saturating_sub(keep)..]);
-        self.tail = tail;
+        self.tail.clear();
+        self.tail.extend_from_slice(&data[data.len().saturating_sub(keep)..]);
         seen
     }
 }
@@ -223,5 +221,23 @@ impl Feedback {
     /// `w{worker}r{rank}`, for logs and metric labels.
     pub fn label(&self) -> &str {
         &self.label
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::FirstToken;
+
+    #[test]
+    fn the_first_token_is_seen_across_pieces() {
+        let stream = b"event: message_start\ndata: {}\n\nevent: content_block_delta\ndata: {}\n\n";
+        for cut in 0..stream.len() {
+            let mut first = FirstToken { tail: Vec::new() };
+            let (a, b) = stream.split_at(cut);
+            let seen = first.seen_in(a) || first.seen_in(b);
+            assert!(seen, "cut at {cut}");
+        }
+        let mut first = FirstToken { tail: Vec::new() };
+        assert!(!first.seen_in(b"event: message_start\ndata: {\"content_block\"}\n\n"));
     }
 }
