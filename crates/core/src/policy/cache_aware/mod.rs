@@ -131,11 +131,17 @@ impl State {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct CacheAware {
     config: CacheAwareConfig,
     state: Mutex<State>,
     empty: RoundRobin,
+}
+
+impl Default for CacheAware {
+    fn default() -> Self {
+        Self::new(CacheAwareConfig::default())
+    }
 }
 
 impl CacheAware {
@@ -147,7 +153,7 @@ impl CacheAware {
         Self {
             config,
             state: Mutex::new(state),
-            ..Self::default()
+            empty: RoundRobin::default(),
         }
     }
 
