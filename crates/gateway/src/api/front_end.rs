@@ -43,7 +43,6 @@ pub use crate::pipeline::routing::{
 pub use crate::state::AppState;
 
 use crate::api::{proxy, server};
-use crate::observe::access::Routing;
 
 /// What a request's head admitted: its client (when clients are configured) and its first-byte deadline.
 pub struct Head {
@@ -88,14 +87,7 @@ pub fn feedback(
 ) -> (Feedback, Exchange) {
     let prefill = routed.pair.as_mut().and_then(|pair| pair.ticket.take());
     let exchange = Exchange::new();
-    exchange.routed(Routing {
-        endpoint: target.label(),
-        rank: target.id.dp_rank,
-        policy: state.policies.default_policy().name(),
-        branch: routed.ticket.pick.branch.as_str(),
-        model: routed.served.clone().or(routed.model.clone()),
-        retries: 0,
-    });
+    exchange.routed(routed.routing(target, state.policies.default_policy().name(), 0));
     let remember = routed.remember(status);
     let feedback = Feedback::new(routed.ticket, sse, received, exchange.clone())
         .with_prefill_leg(prefill)

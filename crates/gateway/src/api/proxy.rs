@@ -16,7 +16,6 @@ use bytes::Bytes;
 
 use crate::common::error::ApiError;
 use crate::fleet::registry::Target;
-use crate::observe::access::Routing;
 use crate::observe::spans::RequestSpan;
 use crate::pipeline::body::Timing;
 use crate::pipeline::relay::{answered, exchange_failed, no_head, relay, upstream_request, Answer};
@@ -104,14 +103,7 @@ async fn forward(state: &Arc<AppState>, request: Request, received: Instant) -> 
                 let status = response.status();
                 answered(state, target, branch, &attempt, status.as_u16());
                 let remember = routed.remember(status.as_u16());
-                let routing = Routing {
-                    endpoint: label,
-                    rank: target.id.dp_rank,
-                    policy: state.policies.default_policy().name(),
-                    branch: branch.as_str(),
-                    model: routed.served.clone().or(routed.model.clone()),
-                    retries: refused.count() as u32,
-                };
+                let routing = routed.routing(target, state.policies.default_policy().name(), refused.count() as u32);
                 let answer = Answer {
                     response,
                     routing,

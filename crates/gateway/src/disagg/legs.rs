@@ -34,7 +34,6 @@ use crate::config::{Backend, Role};
 use crate::disagg::prefill_leg::{self, Described, LegEvents, LegFailure, LegRun, PrefillWatch};
 use crate::fleet::registry::Target;
 use crate::fleet::upstream::Chunks;
-use crate::observe::access::Routing;
 use crate::observe::spans::{AttemptSpan, RequestSpan};
 use crate::observe::telemetry;
 use crate::pipeline::body::{GatewayTicket, Timing, Watch};
@@ -258,14 +257,8 @@ pub async fn forward(
                     // No decode server will fetch the room: the prefill leg ends now.
                     running = None;
                 }
-                let routing = Routing {
-                    endpoint: label,
-                    rank: target.id.dp_rank,
-                    policy: state.policies.role_default(Role::Decode).name(),
-                    branch: branch.as_str(),
-                    model: routed.served.clone().or(routed.model.clone()),
-                    retries: refused.count() as u32,
-                };
+                let policy = state.policies.role_default(Role::Decode).name();
+                let routing = routed.routing(target, policy, refused.count() as u32);
                 let answer = Answer {
                     response,
                     routing,

@@ -53,6 +53,19 @@ impl Routed {
         (self.responses_api && success).then(|| self.client.as_ref().map(|c| Arc::clone(&c.name)))
     }
 
+    /// The access log's record of where the request went: `target`, chosen by `policy` on the ticket's branch,
+    /// after `retries` refused connections.
+    pub fn routing(&self, target: &Target, policy: &'static str, retries: u32) -> crate::observe::access::Routing {
+        crate::observe::access::Routing {
+            endpoint: target.label(),
+            rank: target.id.dp_rank,
+            policy,
+            branch: self.ticket.pick.branch.as_str(),
+            model: self.served.clone().or(self.model.clone()),
+            retries,
+        }
+    }
+
     /// The target the ticket names.
     pub fn target(&self) -> &Target {
         &self.membership.targets[self.ticket.pick.rank]
