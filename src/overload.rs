@@ -253,7 +253,7 @@ impl Workload for HighBand {
         }
     }
 
-    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: dprouter_sim::Micros) -> Option<SimRequest> {
+    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: dprouter_sim::Micros) -> Vec<SimRequest> {
         self.0.on_finish(finished, output, now)
     }
 

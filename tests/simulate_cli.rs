@@ -94,7 +94,10 @@ fn policy_options_oracle_and_rank_removal_reach_the_json() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).unwrap();
     assert!(stdout.contains("rank 2 dropped at 6 s"), "{stdout}");
-    assert!(stdout.contains("oracle hit rate (one infinite cache)"), "{stdout}");
+    assert!(
+        stdout.contains("hit-rate ladder: oracle (one infinite cache) "),
+        "{stdout}"
+    );
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     std::fs::remove_file(&json).unwrap();
     assert_eq!(doc["removal"]["mode"].as_str(), Some("drop"));
@@ -111,6 +114,9 @@ fn policy_options_oracle_and_rank_removal_reach_the_json() {
     for r in results {
         let (hit, oracle) = (r["hit_rate"].as_f64().unwrap(), r["oracle_hit_rate"].as_f64().unwrap());
         assert!(hit > 0.0 && hit <= oracle, "{r}");
+        // The pooled LRU cache of every rank's capacity: within the oracle (up to its 16-token blocks).
+        let pooled = r["pooled_lru_hit_rate"].as_f64().unwrap();
+        assert!(pooled > 0.0 && pooled <= oracle + 0.02, "{r}");
         assert!(r["moved_groups"].as_f64().is_some(), "{r}");
     }
     // Dropping a rank renumbers the rest: `% 3` instead of `% 4` moves most of prefix_match's groups.
@@ -137,6 +143,13 @@ fn bad_arguments_exit_two_and_bad_traces_fail() {
         &["--workload", "agent", "--dp-size", "4", "--policy", "fastest"],
         &["--workload", "agent", "--dp-size", "0"],
         &["--workload", "agent", "--dp-size", "4", "--prefill-contention", "1.5"],
+        &["--workload", "agentic:rate=0", "--dp-size", "4"],
+        &[
+            "--workload",
+            "agentic:tool_under_1s=0.99,tool_under_10s=0.9",
+            "--dp-size",
+            "4",
+        ],
     ] {
         let out = simulate(args);
         assert_eq!(
@@ -241,4 +254,47 @@ fn an_unwritable_plot_path_fails_with_a_message() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     // Checked before the run: no table.
     assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn agentic_rows_replay_closed_loop_and_a_cycle_names_its_row() {
+    let dir = std::env::temp_dir().join(format!("dprouter-agentic-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = dir.join("agentic.jsonl");
+    // A main turn, two subagents forked from it, and the turn that joins them 500 ms after the later one.
+    std::fs::write(
+        &trace,
+        r#"{"request_id": "m1", "session_id": "main", "timestamp": 0, "hash_ids": [1, 2, 3], "output_length": 20}
+{"request_id": "s1", "session_id": "sub1", "wait_for": ["m1"], "hash_ids": [9, 10], "output_length": 20}
+{"request_id": "s2", "session_id": "sub2", "wait_for": ["m1"], "hash_ids": [9, 11], "output_length": 20}
+{"request_id": "m2", "session_id": "main", "wait_for": ["s1", "s2"], "tool_wait_ms": 500, "hash_ids": [1, 2, 3, 4], "output_length": 20}
+"#,
+    )
+    .unwrap();
+    let json = dir.join("out.json");
+    let spec = format!("trace:{}", trace.display());
+    let out = simulate(&[
+        "--workload",
+        &spec,
+        "--dp-size",
+        "2",
+        "--policy",
+        "round_robin",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["results"][0]["requests"].as_u64(), Some(4));
+    std::fs::write(
+        &trace,
+        "{\"request_id\": \"a\", \"hash_ids\": [1], \"output_length\": 1, \"wait_for\": [\"b\"]}\n\
+         {\"request_id\": \"b\", \"hash_ids\": [1], \"output_length\": 1, \"wait_for\": [\"a\"]}\n",
+    )
+    .unwrap();
+    let out = simulate(&["--workload", &spec, "--dp-size", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cycle") && stderr.contains("request `"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -75,6 +75,10 @@ pub fn words(ids: &[u32]) -> String {
     text
 }
 
+/// The header that names a request's session when its workload does ([`SimRequest::named_session`]): one the
+/// gateway reads as a session (docs/gateway.md).
+pub const SESSION_HEADER: &str = "x-session-id";
+
 /// The lowest token id a mapped prompt uses.
 const FIRST_MAPPED_ID: u32 = 256;
 
@@ -302,7 +306,10 @@ pub async fn run(
                 };
                 let mut rank = 0;
                 if let Routing::Client { policy, .. } = config.routing {
-                    let route_req = RouteRequest::tokens(req.tokens.clone()).at(to_virtual(Instant::now()));
+                    let mut route_req = RouteRequest::tokens(req.tokens.clone()).at(to_virtual(Instant::now()));
+                    if req.named_session {
+                        route_req = route_req.with_session(&req.session.to_string());
+                    }
                     match dispatch(policy, &snapshot, route_req) {
                         Ok(ticket) => {
                             rank = ticket.pick.rank;
@@ -317,7 +324,11 @@ pub async fn run(
                         }
                     }
                 }
-                let headers = config.headers.map(|tag| tag(&req)).unwrap_or_default();
+                let mut headers = config.headers.map(|tag| tag(&req)).unwrap_or_default();
+                if req.named_session {
+                    // An agent names its session, as Claude Code's `x-claude-code-session-id` does.
+                    headers.push((SESSION_HEADER, req.session.to_string()));
+                }
                 in_flight += 1;
                 let url = urls[(req.id % urls.len() as u64) as usize].clone();
                 let (client, tx, api) = (client.clone(), done_tx.clone(), config.api.clone());
@@ -394,9 +405,7 @@ pub async fn run(
                     predicted_cached: None,
                     floor: None,
                 });
-                if let Some(next) = workload.on_finish(&done.req, &measured.output_ids, finish) {
-                    delayed.push(next);
-                }
+                delayed.extend(workload.on_finish(&done.req, &measured.output_ids, finish));
                 on_progress(outcome.records.len() + outcome.errors as usize);
             }
         }

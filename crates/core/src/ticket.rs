@@ -4,7 +4,7 @@
 //! nowhere else), decides, and takes the request's share of the endpoint's load. The [`Ticket`] it returns owns
 //! all of that until the request ends: the front end tells it when the first token came ([`Ticket::first_token`]),
 //! what the engine reported ([`Ticket::usage`]), or that the endpoint never got the request
-//! ([`Ticket::reroute`]); dropping it ends the request and releases its load. The gateway, the simulator and the
+//! ([`Ticket::reroute`]); dropping it ends the request ([`Policy::release`]) and releases its load. The gateway, the simulator and the
 //! bench client all hold one ticket per request, so a policy learns the same things in the same order from each.
 
 use std::sync::Arc;
@@ -52,6 +52,8 @@ pub struct Ticket<P: PolicyRef> {
     req: RouteRequest,
     prepared: Prepared,
     reported: bool,
+    /// Rerouted: the policy was told by `retract`, not `release`.
+    retracted: bool,
 }
 
 impl<P: PolicyRef> std::fmt::Debug for Ticket<P> {
@@ -109,6 +111,7 @@ fn issue<P: PolicyRef>(
         req,
         prepared,
         reported: false,
+        retracted: false,
     })
 }
 
@@ -143,20 +146,30 @@ impl<P: PolicyRef> Ticket<P> {
     /// The endpoint never got the request (its connection was refused): the policy forgets that it went there,
     /// its load is released, and the request is routed again at `now_us` among the healthy endpoints of `snap` that
     /// `accept` lets through. A client's rank override names the same rank again.
-    pub fn reroute(self, snap: &Snapshot, accept: &dyn Fn(usize) -> bool, now_us: u64) -> Result<Self, RouteError> {
-        let Ticket {
-            pick,
-            endpoint,
-            policy,
-            guard,
-            mut req,
-            prepared,
-            ..
-        } = self;
-        policy.policy().retract(endpoint, &req, &prepared, &pick);
-        drop(guard);
+    pub fn reroute(mut self, snap: &Snapshot, accept: &dyn Fn(usize) -> bool, now_us: u64) -> Result<Self, RouteError> {
+        self.policy
+            .policy()
+            .retract(self.endpoint, &self.req, &self.prepared, &self.pick);
+        self.retracted = true;
+        let policy = self.policy.clone();
+        let mut req = std::mem::replace(&mut self.req, RouteRequest::tokens(Vec::new()));
+        let prepared = std::mem::take(&mut self.prepared);
+        // Releases the load at the endpoint that never got the request.
+        drop(self);
         req.now_us = now_us;
         issue(policy, &Candidates::accepting(snap, accept), req, prepared)
+    }
+}
+
+impl<P: PolicyRef> Drop for Ticket<P> {
+    /// The request ended, however it ended: the policy hears of it unless it was rerouted (then it heard
+    /// `retract`); the load guard, dropped after this, releases the endpoint's load.
+    fn drop(&mut self) {
+        if !self.retracted {
+            self.policy
+                .policy()
+                .release(self.endpoint, &self.req, &self.prepared, &self.pick);
+        }
     }
 }
 
@@ -204,6 +217,10 @@ mod tests {
         fn retract(&self, e: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {
             self.calls.lock().unwrap().push(format!("retract {e}"));
         }
+
+        fn release(&self, e: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {
+            self.calls.lock().unwrap().push(format!("release {e}"));
+        }
     }
 
     fn usage(cached_tokens: u64) -> Usage {
@@ -243,7 +260,8 @@ mod tests {
                 "choose 0 [3]",
                 "retract w0r0",
                 "choose 1 [3]",
-                "observe w0r1 2 [3]"
+                "observe w0r1 2 [3]",
+                "release w0r1"
             ]
         );
     }

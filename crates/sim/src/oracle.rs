@@ -1,4 +1,5 @@
-//! The hit-rate bound of one infinite prefix cache: what any routing over any number of ranks could at best reuse.
+//! The hit-rate ladder's references: one infinite prefix cache ([`Oracle`], what any routing over any number of
+//! ranks could at best reuse) and one pooled LRU cache of all the ranks' capacity ([`PooledCache`]).
 //!
 //! Fed every request in arrival order: first its prompt is matched (the longest prefix seen before, at most the
 //! prompt length − 1, as the ranks' radix caches count), then its prompt and prompt + answer are remembered. The
@@ -16,6 +17,7 @@ use std::collections::HashSet;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
+use crate::radix::RadixCache;
 use crate::tokens::mix;
 
 /// Tokens per hashed block.
@@ -108,10 +110,51 @@ impl Oracle {
     }
 }
 
+/// One LRU prefix cache as large as all the ranks together (`dp` × a rank's capacity), fed every request in
+/// arrival order: its prompt is matched as a rank matches it (page-aligned, at most the prompt length − 1), then
+/// the prompt and its answer are cached at once, as if there were one rank with every rank's memory and no
+/// queueing. A fair reference for what capacity allows, not a bound: it keeps one copy of a prefix that `dp`
+/// ranks would each need (so it beats any routing there), but LRU is not the best replacement, and a router
+/// could, in principle, keep a prefix longer by placing around it. Cost: a radix cache's match and insert per
+/// request; memory: up to `dp` × capacity tokens.
+pub struct PooledCache {
+    cache: RadixCache,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+impl PooledCache {
+    pub fn new(ranks: usize, capacity_tokens: usize, page_size: usize) -> Self {
+        Self {
+            cache: RadixCache::new(capacity_tokens.saturating_mul(ranks), page_size),
+            prompt_tokens: 0,
+            cached_tokens: 0,
+        }
+    }
+
+    /// Matches `prompt`, counts it, then caches `cached` (the prompt with its answer, or the prompt alone where
+    /// the ranks never cache answers). Returns the matched length.
+    pub fn request(&mut self, prompt: &[u32], cached: &[u32]) -> usize {
+        let matched = self.cache.match_prefix(prompt);
+        self.prompt_tokens += prompt.len() as u64;
+        self.cached_tokens += matched as u64;
+        self.cache.insert(cached);
+        matched
+    }
+
+    /// Cached over prompt tokens so far.
+    pub fn hit_rate(&self) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            self.cached_tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::radix::RadixCache;
     use proptest::prelude::*;
 
     #[test]
@@ -129,6 +172,25 @@ mod tests {
         assert!((o.hit_rate() - 195.0 / 311.0).abs() < 1e-12);
         // `a[..40]`'s own tail was remembered token by token: now it matches exactly.
         assert_eq!(o.request(&a[..41], &a[..41]), 40);
+    }
+
+    #[test]
+    fn the_pooled_cache_holds_all_ranks_capacity_and_evicts_the_least_recent() {
+        // Two ranks of 100 tokens: 200 in the pool. `a` and `b` fit together; `c` cuts the least recent one down to
+        // what still fits (eviction takes exactly the tokens needed off a leaf's end).
+        let mut pool = PooledCache::new(2, 100, 1);
+        let (a, b, c): (Vec<u32>, Vec<u32>, Vec<u32>) = ((0..90).collect(), (100..190).collect(), (200..290).collect());
+        assert_eq!(pool.request(&a, &a), 0);
+        assert_eq!(pool.request(&b, &b), 0);
+        assert_eq!(pool.request(&a, &a), 89, "both fit in 2 × 100");
+        assert_eq!(pool.request(&c, &c), 0);
+        assert_eq!(
+            pool.request(&b, &b),
+            20,
+            "b was the least recent: 70 of it evicted for c"
+        );
+        assert_eq!(pool.request(&a, &a), 20, "then a, for b");
+        assert!((pool.hit_rate() - 129.0 / 540.0).abs() < 1e-12);
     }
 
     proptest! {

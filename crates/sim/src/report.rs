@@ -41,6 +41,9 @@ pub struct Summary {
     /// The hit rate of one infinite cache fed the same requests (an upper bound for any routing); `None` (JSON
     /// `null`) for a run over HTTP, which does not compute it.
     pub oracle_hit_rate: Option<f64>,
+    /// The hit rate of one LRU cache of all the ranks' capacity fed the same requests (what capacity allows,
+    /// routing aside: a reference, not a bound); `None` (JSON `null`) for a run over HTTP.
+    pub pooled_lru_hit_rate: Option<f64>,
     /// Completed requests per second of virtual time, first arrival to last finish.
     pub throughput_rps: f64,
     /// The busiest rank's routed requests over the mean per rank (1.0 is perfect balance); under disaggregation,
@@ -222,6 +225,7 @@ impl Summary {
                 .then(|| max_mean(&outcome.routed_per_decode_rank)),
             errors: outcome.errors,
             oracle_hit_rate: outcome.oracle_hit_rate,
+            pooled_lru_hit_rate: outcome.pooled_hit_rate,
             moved_groups: outcome
                 .removal
                 .and_then(|removal| moved_fraction(&outcome.records, removal.at)),
@@ -246,7 +250,7 @@ pub fn table(rows: &[Summary]) -> String {
     let decode = rows.iter().any(|r| r.decode_max_mean_load.is_some());
     let width = rows.iter().map(|r| r.policy.len()).max().unwrap_or(0).max(22);
     let mut out = format!(
-        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11} {:>6} {:>6} {:>8} {:>8}{} {:>6}{}\n",
+        "{:<width$} {:>8} {:>10} {:>10} {:>10} {:>10} {:>9} {:>11} {:>11} {:>6} {:>6} {:>6} {:>8} {:>8}{} {:>6}{}\n",
         "policy",
         "requests",
         "ttft_mean",
@@ -257,6 +261,7 @@ pub fn table(rows: &[Summary]) -> String {
         "steady_p50",
         "steady_p99",
         "hit",
+        "lru",
         "of_orc",
         "req/s",
         "max/mean",
@@ -271,7 +276,7 @@ pub fn table(rows: &[Summary]) -> String {
         };
         let floor = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |v| format!("{v:.0}"));
         out.push_str(&format!(
-            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10} {:>9} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>8.3} {:>8.2}{} {:>6}{}\n",
+            "{:<width$} {:>8} {:>10.0} {:>10.0} {:>10.0} {:>10} {:>9} {:>11.0} {:>11.0} {:>6.3} {:>6} {:>6} {:>8.3} {:>8.2}{} {:>6}{}\n",
             r.policy,
             r.requests,
             r.ttft_mean_ms,
@@ -282,6 +287,7 @@ pub fn table(rows: &[Summary]) -> String {
             r.steady_ttft_p50_ms,
             r.steady_ttft_p99_ms,
             r.hit_rate,
+            r.pooled_lru_hit_rate.map_or_else(|| "-".to_string(), |p| format!("{p:.3}")),
             of_oracle,
             r.throughput_rps,
             r.max_mean_load,
@@ -303,13 +309,14 @@ pub fn table(rows: &[Summary]) -> String {
         (lo.min(o), hi.max(o))
     });
     if !oracle.is_empty() {
-        if hi - lo < 5e-4 {
-            out.push_str(&format!("oracle hit rate (one infinite cache): {hi:.3}\n"));
+        let infinite = if hi - lo < 5e-4 {
+            format!("{hi:.3}")
         } else {
-            out.push_str(&format!(
-                "oracle hit rate (one infinite cache, arrival order differs per policy): {lo:.3}..{hi:.3}\n"
-            ));
-        }
+            format!("{lo:.3}..{hi:.3} (the arrival order differs per policy)")
+        };
+        out.push_str(&format!(
+            "hit-rate ladder: oracle (one infinite cache) {infinite} > lru (one LRU cache of every rank's capacity) > hit (the policy's)\n"
+        ));
     }
     out.push_str("(TTFT in ms; floor_* = TTFT with no queueing, given the hits; steady_* leave out each session's (agent's or prefix group's) first request; of_orc = hit / oracle");
     if decode {

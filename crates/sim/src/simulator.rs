@@ -15,7 +15,8 @@
 //! which reach the policy `delay` after the cache changed, followed into its block hashes as the gateway follows an
 //! engine's ([`EngineBlocks`]): `cache_aware`'s precise mode.
 //!
-//! Every arrival is also fed to an [`Oracle`]: the hit rate one infinite cache would reach on the same requests.
+//! Every arrival is also fed to an [`Oracle`], the hit rate one infinite cache would reach on the same requests,
+//! and to a [`PooledCache`], one LRU cache of all the ranks' capacity: the references of the hit-rate ladder.
 //! Optionally one rank is removed at a given time ([`RankRemoval`]): marked down in the snapshot, or dropped from it
 //! (the remaining endpoints renumbered); the work already queued on it still completes.
 //!
@@ -43,7 +44,7 @@ use dprouter_core::{
 
 use crate::cost::{CostModel, Micros};
 use crate::decode_clock::DecodeClock;
-use crate::oracle::Oracle;
+use crate::oracle::{Oracle, PooledCache};
 use crate::radix::{LockId, RadixCache};
 use crate::shared_prefill::{Due, SharedPrefill};
 use crate::tokens;
@@ -135,6 +136,9 @@ pub struct SimOutcome {
     /// Hit rate of one infinite cache fed the same requests in arrival order (see [`Oracle`]); `None` when the run
     /// did not compute it (a run over HTTP).
     pub oracle_hit_rate: Option<f64>,
+    /// Hit rate of one LRU cache of all the ranks' capacity fed the same requests in arrival order (see
+    /// [`PooledCache`]); `None` when the run did not compute it.
+    pub pooled_hit_rate: Option<f64>,
     /// The removal applied during the run, if any.
     pub removal: Option<RankRemoval>,
     /// Under disaggregation: requests routed to each decode rank (empty otherwise).
@@ -223,6 +227,7 @@ struct Sim<'a> {
     workload: &'a mut dyn Workload,
     config: &'a SimConfig,
     oracle: Oracle,
+    pooled: PooledCache,
     ranks: Vec<Rank>,
     live: Vec<Option<Live<'a>>>,
     free: Vec<usize>,
@@ -318,6 +323,7 @@ fn run<'a>(
         workload,
         config,
         oracle: Oracle::default(),
+        pooled: PooledCache::new(dp, config.cost.kv_capacity, config.cost.page_size),
         ranks: (0..dp)
             .map(|_| Rank {
                 cache: match config.kv_events {
@@ -387,6 +393,7 @@ fn run<'a>(
     sim.outcome.in_flight_at_end = loads().map(|l| l.in_flight_requests()).sum();
     sim.outcome.queued_prefill_at_end = loads().map(|l| l.queued_prefill_requests()).sum();
     sim.outcome.oracle_hit_rate = Some(sim.oracle.hit_rate());
+    sim.outcome.pooled_hit_rate = Some(sim.pooled.hit_rate());
     Ok(sim.outcome)
 }
 
@@ -533,9 +540,19 @@ impl<'a> Sim<'a> {
             live.req.output_tokens as usize,
         ));
         self.oracle.request(&live.req.tokens, &full);
-        let route_req = RouteRequest::tokens(live.req.tokens.clone())
+        // Prefill ranks of their own never see the answer.
+        let cached = if self.decoders.is_some() {
+            &live.req.tokens
+        } else {
+            &full
+        };
+        self.pooled.request(&live.req.tokens, cached);
+        let mut route_req = RouteRequest::tokens(live.req.tokens.clone())
             .with_bootstrap_room(live.req.bootstrap_room(self.config.seed))
             .at(now);
+        if live.req.named_session {
+            route_req = route_req.with_session(&live.req.session.to_string());
+        }
         let which = (live.req.id % self.routers.len() as u64) as usize;
         let router = &self.routers[which];
         match dispatch(router.policy, &router.snap, route_req) {
@@ -713,7 +730,7 @@ impl<'a> Sim<'a> {
             predicted_cached: live.predicted,
             floor: Some(live.prefill),
         });
-        if let Some(next) = self.workload.on_finish(&live.req, &output, now) {
+        for next in self.workload.on_finish(&live.req, &output, now) {
             self.admit(next, false, now);
         }
     }

@@ -76,11 +76,8 @@ mod tests {
         let big = RouteRequest::tokens(vec![1; 1000]);
         let small = RouteRequest::tokens(vec![1; 10]);
         // Held: rank 0 gets 1000 tokens, rank 1 10 tokens; rank 2 is idle and takes the next; then rank 1.
-        let (first, _held) = ranks(
-            &LeastLoaded::default(),
-            &snap,
-            &[big, small.clone(), small.clone(), small],
-        );
+        let policy = LeastLoaded::default();
+        let (first, _held) = ranks(&policy, &snap, &[big, small.clone(), small.clone(), small]);
         assert_eq!(first, vec![0, 1, 2, 1]);
     }
 }

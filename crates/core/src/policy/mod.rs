@@ -8,7 +8,7 @@
 //! Feedback reaches a policy only through the ticket: [`Ticket::first_token`](crate::Ticket::first_token) (the queued-prefill share is
 //! released), [`Ticket::usage`](crate::Ticket::usage) (the engine said how much of the prompt it had cached: [`Policy::observe`]),
 //! [`Ticket::reroute`](crate::Ticket::reroute) (the endpoint never got the request: [`Policy::retract`], then a new decision), and its drop
-//! (the request ended).
+//! (the request ended: [`Policy::release`]).
 
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
@@ -280,6 +280,11 @@ pub trait Policy: Send + Sync {
     /// The request never reached `endpoint` (its connection was refused) and is routed again: `endpoint` did not
     /// get its prompt.
     fn retract(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
+
+    /// The request sent to `endpoint` ended (answered, failed or abandoned): its ticket was dropped. Not called
+    /// for a rerouted request's first endpoint (that one hears [`Policy::retract`]). A policy that tracks what is
+    /// active per endpoint (Dynamo's KV router) lets it go here.
+    fn release(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
 
     /// What `endpoint`'s engine reported of its own cache: its KV events, followed into the router's block hashes
     /// ([`crate::engine_blocks`]), at `now_us` on the requests' clock. Only `cache_aware` keeps an index to apply

@@ -91,7 +91,8 @@ mod tests {
 
     #[test]
     fn empty_prompts_go_round_robin() {
-        let (got, _held) = ranks(&PrefixMatch::default(), &Snapshot::single_worker(4), &empty_requests(4));
+        let policy = PrefixMatch::default();
+        let (got, _held) = ranks(&policy, &Snapshot::single_worker(4), &empty_requests(4));
         assert_eq!(got, vec![0, 1, 2, 3]);
         let picks = route(
             &PrefixMatch::default(),

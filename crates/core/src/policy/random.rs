@@ -77,7 +77,8 @@ mod tests {
     #[test]
     fn draws_spread_evenly_skip_down_ranks_and_repeat_for_a_seed() {
         let snap = Snapshot::single_worker(4).with_health(|i, _| i != 2);
-        let (got, _held) = ranks(&Random::default(), &snap, &empty_requests(3000));
+        let policy = Random::default();
+        let (got, _held) = ranks(&policy, &snap, &empty_requests(3000));
         let mut counts = [0usize; 4];
         for r in &got {
             counts[*r] += 1;
@@ -86,9 +87,11 @@ mod tests {
         for r in [0, 1, 3] {
             assert!((900..1100).contains(&counts[r]), "{counts:?}");
         }
-        let (again, _held) = ranks(&Random::default(), &snap, &empty_requests(3000));
+        let policy = Random::default();
+        let (again, _held) = ranks(&policy, &snap, &empty_requests(3000));
         assert_eq!(got, again);
-        let (other, _held) = ranks(&Random::new(RandomConfig { seed: 7 }), &snap, &empty_requests(3000));
+        let policy = Random::new(RandomConfig { seed: 7 });
+        let (other, _held) = ranks(&policy, &snap, &empty_requests(3000));
         assert_ne!(got, other);
     }
 

@@ -65,14 +65,16 @@ mod tests {
 
     #[test]
     fn eight_requests_over_four_ranks_start_at_zero_two_each() {
-        let (got, _held) = ranks(&RoundRobin::default(), &Snapshot::single_worker(4), &empty_requests(8));
+        let policy = RoundRobin::default();
+        let (got, _held) = ranks(&policy, &Snapshot::single_worker(4), &empty_requests(8));
         assert_eq!(got, vec![0, 1, 2, 3, 0, 1, 2, 3]);
     }
 
     #[test]
     fn down_ranks_are_skipped() {
         let snap = Snapshot::single_worker(4).with_health(|i, _| i != 1);
-        let (got, _held) = ranks(&RoundRobin::default(), &snap, &empty_requests(6));
+        let policy = RoundRobin::default();
+        let (got, _held) = ranks(&policy, &snap, &empty_requests(6));
         assert_eq!(got, vec![0, 2, 3, 0, 2, 3]);
     }
 
@@ -99,7 +101,8 @@ mod tests {
             let snap = Snapshot::single_worker(health.len() as u32).with_health(|i, _| health[i]);
             let healthy = snap.healthy().len();
             prop_assume!(healthy > 0);
-            let (got, _held) = ranks(&RoundRobin::default(), &snap, &empty_requests(healthy * rounds));
+            let policy = RoundRobin::default();
+            let (got, _held) = ranks(&policy, &snap, &empty_requests(healthy * rounds));
             let mut counts = vec![0usize; health.len()];
             for r in got {
                 counts[r] += 1;

@@ -98,6 +98,7 @@ impl AgentWorkload {
             output_tokens: self.config.output_tokens,
             group: agent % self.config.prefixes,
             session: agent,
+            named_session: false,
         }
     }
 }
@@ -118,18 +119,18 @@ impl Workload for AgentWorkload {
         Some(self.request(agent, 0, prefix, to_micros(agent as f64 * self.config.stagger_s)))
     }
 
-    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Option<SimRequest> {
+    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Vec<SimRequest> {
         let turns = u64::from(self.config.turns);
         let (agent, turn) = (finished.id / turns, (finished.id % turns) as u32);
         if turn + 1 >= self.turns_of(agent) {
-            return None;
+            return Vec::new();
         }
         let mut conversation = finished.tokens.clone();
         conversation.extend_from_slice(output);
         // A uniform draw in [0, 1) from the request id: the same pauses for every policy.
         let u = (tokens::mix(self.seed ^ tokens::mix(finished.id ^ 0x7415)) >> 11) as f64 / (1u64 << 53) as f64;
         let think = self.config.think_s * (1.0 + self.config.think_jitter * (2.0 * u - 1.0));
-        Some(self.request(agent, turn + 1, conversation, now + to_micros(think)))
+        vec![self.request(agent, turn + 1, conversation, now + to_micros(think))]
     }
 
     /// Every agent's turns: O(agents).
@@ -159,13 +160,13 @@ mod tests {
         assert_eq!(a0.tokens[..100], b0.tokens[..100], "agents share the prefix");
         assert_ne!(a0.tokens[100..], b0.tokens[100..], "but not their user turns");
         let out = tokens::output(7, 0, 150);
-        let a1 = w.on_finish(&a0, &out, 5_000_000).unwrap();
+        let a1 = w.on_finish(&a0, &out, 5_000_000).pop().unwrap();
         assert_eq!(a1.arrival, 6_000_000);
         assert_eq!(a1.tokens[..a0.tokens.len()], a0.tokens[..]);
         assert_eq!(a1.tokens[a0.tokens.len()..a0.tokens.len() + 150], out[..]);
         assert_eq!(a1.tokens.len(), a0.tokens.len() + 150 + 200);
-        let a2 = w.on_finish(&a1, &out, 9_000_000).unwrap();
-        assert!(w.on_finish(&a2, &out, 10_000_000).is_none(), "three turns only");
+        let a2 = w.on_finish(&a1, &out, 9_000_000).pop().unwrap();
+        assert!(w.on_finish(&a2, &out, 10_000_000).is_empty(), "three turns only");
         assert_eq!(w.expected_requests(), Some(6));
         assert_eq!((a1.id, a2.id, b0.id), (1, 2, 3));
     }
@@ -194,6 +195,6 @@ mod tests {
         .unwrap();
         let first = w.next_arrival().unwrap();
         let done_after_one = w.turns_of(0) == 1;
-        assert_eq!(w.on_finish(&first, &[], 0).is_none(), done_after_one);
+        assert_eq!(w.on_finish(&first, &[], 0).is_empty(), done_after_one);
     }
 }

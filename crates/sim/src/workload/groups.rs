@@ -96,11 +96,12 @@ impl Workload for GroupsWorkload {
             output_tokens: self.config.output_tokens,
             group,
             session: group,
+            named_session: false,
         })
     }
 
-    fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Option<SimRequest> {
-        None
+    fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Vec<SimRequest> {
+        Vec::new()
     }
 
     fn expected_requests(&self) -> Option<u64> {

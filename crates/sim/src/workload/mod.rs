@@ -3,9 +3,12 @@
 //! A workload yields open-loop arrivals in time order ([`Workload::next_arrival`]) and may answer a finished
 //! request with a follow-up ([`Workload::on_finish`], closed loop: an agent's next turn). Specs on the command line:
 //!
+//! - `agentic[:k=v,...]`: generated agent programs with tool waits and subagents, closed loop
+//!   ([`agentic::generator::AgenticConfig`]).
 //! - `agent[:k=v,...]`: agents sending multi-turn conversations over shared prefixes ([`agent::AgentConfig`]).
 //! - `groups[:k=v,...]`: SGLang's generated-shared-prefix benchmark ([`groups::GroupsConfig`]).
-//! - `trace:PATH[,speedup=X]`: a Mooncake JSONL trace replayed at its timestamps ([`trace::TraceConfig`]).
+//! - `trace:PATH[,speedup=X]`: a Mooncake JSONL trace replayed at its timestamps ([`trace::TraceConfig`]), or an
+//!   agentic one closed loop ([`agentic::rows`]).
 
 use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
@@ -14,6 +17,7 @@ use thiserror::Error;
 use crate::cost::Micros;
 
 pub mod agent;
+pub mod agentic;
 pub mod groups;
 pub mod trace;
 
@@ -30,6 +34,9 @@ pub struct SimRequest {
     /// Requests of one session follow each other (an agent's conversation); a workload without sessions uses the
     /// group. The steady-state columns leave out each session's first request.
     pub session: u64,
+    /// The client names its session (an agent's session header, as Claude Code sends it): routers are given
+    /// `session` as the request's session hint.
+    pub named_session: bool,
 }
 
 impl SimRequest {
@@ -43,9 +50,10 @@ pub trait Workload {
     /// The next open-loop request, in nondecreasing arrival order; `None` when there are no more.
     fn next_arrival(&mut self) -> Option<SimRequest>;
 
-    /// A follow-up to `finished`, which completed at `now` with the answer `output` (token ids, as the engine
-    /// generated and cached them); `None` for open-loop workloads.
-    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Option<SimRequest>;
+    /// The follow-ups `finished` releases, which completed at `now` with the answer `output` (token ids, as the
+    /// engine generated and cached them): an agent's next turn, the subagents it forks, the turn that joins them.
+    /// Each arrives at its own `arrival` (never before `now`). Empty for open-loop workloads.
+    fn on_finish(&mut self, finished: &SimRequest, output: &[u32], now: Micros) -> Vec<SimRequest>;
 
     /// An error that ended the arrivals early (a malformed trace line); the run must report it, not its results.
     fn take_error(&mut self) -> Option<WorkloadError> {
@@ -61,7 +69,7 @@ pub trait Workload {
 
 #[derive(Debug, Error)]
 pub enum WorkloadError {
-    #[error("unknown workload `{0}`: expected agent, groups or trace:PATH")]
+    #[error("unknown workload `{0}`: expected agent, agentic, groups or trace:PATH")]
     Unknown(String),
     #[error("workload option `{0}` must look like key=value")]
     Malformed(String),
@@ -86,6 +94,7 @@ pub enum WorkloadError {
 #[derive(Debug, Clone, PartialEq)]
 pub enum WorkloadSpec {
     Agent(agent::AgentConfig),
+    Agentic(agentic::generator::AgenticConfig),
     Groups(groups::GroupsConfig),
     Trace(trace::TraceConfig),
 }
@@ -95,6 +104,11 @@ impl WorkloadSpec {
         let (kind, rest) = spec.split_once(':').unwrap_or((spec, ""));
         match kind {
             "agent" => Ok(Self::Agent(options("agent", rest)?)),
+            "agentic" => {
+                let config: agentic::generator::AgenticConfig = options("agentic", rest)?;
+                config.check()?;
+                Ok(Self::Agentic(config))
+            }
             "groups" => Ok(Self::Groups(options("groups", rest)?)),
             "trace" => {
                 let (path, rest) = rest.split_once(',').unwrap_or((rest, ""));
@@ -127,6 +141,10 @@ impl WorkloadSpec {
                     String::new()
                 }
             ),
+            Self::Agentic(c) => format!(
+                "agentic(programs={},apps={},turns={},fork_p={},fanout={})",
+                c.programs, c.apps, c.turns, c.fork_p, c.fanout
+            ),
             Self::Groups(c) => format!("groups({}x{},system={})", c.groups, c.prompts_per_group, c.system_len),
             Self::Trace(c) => format!("trace({})", c.path),
         }
@@ -136,7 +154,12 @@ impl WorkloadSpec {
         Ok(match self {
             Self::Agent(c) => Box::new(agent::AgentWorkload::new(c.clone(), seed)?),
             Self::Groups(c) => Box::new(groups::GroupsWorkload::new(c.clone(), seed)?),
-            Self::Trace(c) => Box::new(trace::TraceWorkload::open(c.clone(), seed)?),
+            Self::Agentic(c) => Box::new(agentic::PlanWorkload::new(
+                agentic::generator::plan(c, seed)?,
+                seed,
+                "agentic",
+            )?),
+            Self::Trace(c) => trace::open(c.clone(), seed)?,
         })
     }
 }

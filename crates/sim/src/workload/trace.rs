@@ -4,6 +4,9 @@
 //! blocks. Block `b` becomes 512 synthetic tokens that depend only on `b`, so two requests share tokens exactly as
 //! far as their `hash_ids` agree; the last block is cut to `input_length`. `speedup` divides the timestamps. The
 //! file is read lazily, one line per arrival: memory stays proportional to the requests in flight.
+//!
+//! A trace of agentic or multi-turn rows (Dynamo's agentic Mooncake format, with `request_id`, `wait_for`,
+//! `session_id`, `delay`, `tool_wait_ms`) is replayed closed loop instead ([`open`], [`rows`]).
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Lines};
@@ -12,6 +15,7 @@ use serde::Deserialize;
 
 use crate::cost::{to_micros, Micros};
 use crate::tokens::{self, Namespace};
+use crate::workload::agentic::{rows, PlanWorkload};
 use crate::workload::{SimRequest, Workload, WorkloadError};
 
 /// Tokens per `hash_ids` block in the Mooncake traces.
@@ -54,6 +58,36 @@ pub struct TraceWorkload {
     next_id: u64,
     /// An error met while reading; reported by [`TraceWorkload::take_error`] and ends the replay.
     error: Option<WorkloadError>,
+}
+
+/// The replay of `config`'s trace: open loop for Mooncake rows, closed loop for agentic or multi-turn rows
+/// ([`rows`]: a first row with `request_id`, `session_id` or `wait_for`).
+pub fn open(config: TraceConfig, seed: u64) -> Result<Box<dyn Workload>, WorkloadError> {
+    let io = |source| WorkloadError::Io {
+        path: config.path.clone(),
+        source,
+    };
+    let file = BufReader::new(File::open(&config.path).map_err(io)?);
+    let mut first = None;
+    for line in file.lines() {
+        let line = line.map_err(io)?;
+        if !line.trim().is_empty() {
+            first = Some(line);
+            break;
+        }
+    }
+    if first.as_deref().is_some_and(rows::is_agentic) {
+        if !(config.speedup > 0.0 && config.speedup.is_finite()) {
+            return Err(WorkloadError::Invalid {
+                kind: "trace",
+                message: "speedup must be > 0".into(),
+            });
+        }
+        let file = BufReader::new(File::open(&config.path).map_err(io)?);
+        let plan = rows::read(file, &config)?;
+        return Ok(Box::new(PlanWorkload::new(plan, seed, "trace")?));
+    }
+    Ok(Box::new(TraceWorkload::open(config, seed)?))
 }
 
 impl TraceWorkload {
@@ -111,6 +145,7 @@ impl TraceWorkload {
                 output_tokens: parsed.output_length.max(1),
                 group: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
                 session: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
+                named_session: false,
             }));
         }
     }
@@ -127,8 +162,8 @@ impl Workload for TraceWorkload {
         }
     }
 
-    fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Option<SimRequest> {
-        None
+    fn on_finish(&mut self, _finished: &SimRequest, _output: &[u32], _now: Micros) -> Vec<SimRequest> {
+        Vec::new()
     }
 
     fn take_error(&mut self) -> Option<WorkloadError> {
