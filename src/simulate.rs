@@ -212,9 +212,10 @@ pub fn run(args: SimulateArgs) -> anyhow::Result<ExitCode> {
     }
     let specs: Vec<String> = if args.policy.is_empty() {
         // `least_loaded` picks decode servers, which keep no prefix worth routing on: name it to compare it.
+        // The peers' ports run when named.
         PolicyConfig::NAMES
             .iter()
-            .filter(|&&n| n != "least_loaded" && n != "random")
+            .filter(|&&n| n != "least_loaded" && n != "random" && !PolicyConfig::PEERS.contains(&n))
             .map(|n| (*n).to_owned())
             .collect()
     } else {

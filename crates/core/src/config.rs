@@ -15,8 +15,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::policy::{
-    CacheAware, CacheAwareConfig, FollowBootstrapRoom, LeastLoaded, Policy, PrefixAffinity, PrefixAffinityConfig,
-    PrefixMatch, Random, RandomConfig, RoundRobin, TotalRequests, TotalTokens,
+    CacheAware, CacheAwareConfig, DynamoKv, DynamoKvConfig, FollowBootstrapRoom, LeastLoaded, LlmD, LlmDConfig, Policy,
+    PrefixAffinity, PrefixAffinityConfig, PrefixMatch, Random, RandomConfig, RoundRobin, SmgCacheAware,
+    SmgCacheAwareConfig, TotalRequests, TotalTokens,
 };
 use crate::prefix_key::PrefixWindow;
 
@@ -38,6 +39,9 @@ pub enum PolicyConfig {
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
+    SmgCacheAware(SmgCacheAwareConfig),
+    LlmD(LlmDConfig),
+    DynamoKv(DynamoKvConfig),
 }
 
 /// [`PolicyConfig`] as written, before [`PolicyConfig::validate`].
@@ -53,6 +57,9 @@ enum UncheckedPolicyConfig {
     PrefixMatch(PrefixWindow),
     PrefixAffinity(PrefixAffinityConfig),
     CacheAware(CacheAwareConfig),
+    SmgCacheAware(SmgCacheAwareConfig),
+    LlmD(LlmDConfig),
+    DynamoKv(DynamoKvConfig),
 }
 
 impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
@@ -69,6 +76,9 @@ impl TryFrom<UncheckedPolicyConfig> for PolicyConfig {
             UncheckedPolicyConfig::PrefixMatch(o) => PolicyConfig::PrefixMatch(o),
             UncheckedPolicyConfig::PrefixAffinity(o) => PolicyConfig::PrefixAffinity(o),
             UncheckedPolicyConfig::CacheAware(o) => PolicyConfig::CacheAware(o),
+            UncheckedPolicyConfig::SmgCacheAware(o) => PolicyConfig::SmgCacheAware(o),
+            UncheckedPolicyConfig::LlmD(o) => PolicyConfig::LlmD(o),
+            UncheckedPolicyConfig::DynamoKv(o) => PolicyConfig::DynamoKv(o),
         };
         config.validate()?;
         Ok(config)
@@ -127,7 +137,13 @@ impl PolicyConfig {
         "prefix_match",
         "prefix_affinity",
         "cache_aware",
+        "smg_cache_aware",
+        "llm_d",
+        "dynamo_kv",
     ];
+
+    /// The peers' methods, ported to compare against ([`crate::policy::peers`]): not in a comparison unless named.
+    pub const PEERS: &'static [&'static str] = &["smg_cache_aware", "llm_d", "dynamo_kv"];
 
     /// The named policy with default options.
     pub fn from_name(name: &str) -> Result<Self, ConfigError> {
@@ -261,6 +277,73 @@ impl PolicyConfig {
                     );
                 }
             }
+            PolicyConfig::SmgCacheAware(c) => {
+                if !(0.0..=1.0).contains(&c.cache_threshold) {
+                    return fail(
+                        "cache_threshold",
+                        format!("must be from 0 to 1, got {}", c.cache_threshold),
+                    );
+                }
+                for (field, value) in [
+                    ("balance_rel_threshold", c.balance_rel_threshold),
+                    ("eviction_interval_secs", c.eviction_interval_secs),
+                ] {
+                    if !(value.is_finite() && value >= 0.0) {
+                        return fail(field, format!("must be a finite number at least 0, got {value}"));
+                    }
+                }
+                if c.max_tree_size == 0 {
+                    return fail("max_tree_size", "must be at least 1, got 0".into());
+                }
+            }
+            PolicyConfig::LlmD(c) => {
+                if !(1..=MAX_BLOCK_TOKENS).contains(&c.block_tokens) {
+                    return fail(
+                        "block_tokens",
+                        format!("must be between 1 and {MAX_BLOCK_TOKENS}, got {}", c.block_tokens),
+                    );
+                }
+                for (field, value) in [
+                    ("max_prefix_blocks", c.max_prefix_blocks),
+                    ("lru_capacity_per_server", c.lru_capacity_per_server),
+                ] {
+                    if value == 0 {
+                        return fail(field, "must be at least 1, got 0".into());
+                    }
+                }
+                for (field, value) in [
+                    ("prefix_weight", c.prefix_weight),
+                    ("queue_weight", c.queue_weight),
+                    ("kv_weight", c.kv_weight),
+                ] {
+                    if !(value.is_finite() && value >= 0.0) {
+                        return fail(field, format!("must be a finite number at least 0, got {value}"));
+                    }
+                }
+            }
+            PolicyConfig::DynamoKv(c) => {
+                if !(1..=MAX_BLOCK_TOKENS).contains(&c.block_tokens) {
+                    return fail(
+                        "block_tokens",
+                        format!("must be between 1 and {MAX_BLOCK_TOKENS}, got {}", c.block_tokens),
+                    );
+                }
+                if !(c.overlap_score_weight.is_finite() && c.overlap_score_weight >= 0.0) {
+                    return fail(
+                        "overlap_score_weight",
+                        format!("must be a finite number at least 0, got {}", c.overlap_score_weight),
+                    );
+                }
+                if !(c.ttl_secs.is_finite() && c.ttl_secs > 0.0) {
+                    return fail(
+                        "ttl_secs",
+                        format!("must be a positive number of seconds, got {}", c.ttl_secs),
+                    );
+                }
+                if c.max_tree_blocks == 0 {
+                    return fail("max_tree_blocks", "must be at least 1, got 0".into());
+                }
+            }
         }
         Ok(())
     }
@@ -276,6 +359,9 @@ impl PolicyConfig {
             PolicyConfig::PrefixMatch(_) => "prefix_match",
             PolicyConfig::PrefixAffinity(_) => "prefix_affinity",
             PolicyConfig::CacheAware(_) => "cache_aware",
+            PolicyConfig::SmgCacheAware(_) => "smg_cache_aware",
+            PolicyConfig::LlmD(_) => "llm_d",
+            PolicyConfig::DynamoKv(_) => "dynamo_kv",
         }
     }
 
@@ -291,6 +377,9 @@ impl PolicyConfig {
             PolicyConfig::PrefixMatch(window) => Box::new(PrefixMatch::new(*window)),
             PolicyConfig::PrefixAffinity(config) => Box::new(PrefixAffinity::new(*config)),
             PolicyConfig::CacheAware(config) => Box::new(CacheAware::new(*config)),
+            PolicyConfig::SmgCacheAware(config) => Box::new(SmgCacheAware::new(*config)),
+            PolicyConfig::LlmD(config) => Box::new(LlmD::new(*config)),
+            PolicyConfig::DynamoKv(config) => Box::new(DynamoKv::new(*config)),
         }
     }
 }
