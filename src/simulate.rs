@@ -1,7 +1,8 @@
 //! `dprouter simulate`: each policy on the identical workload over simulated DP ranks, in virtual time.
 //!
-//! `cache_aware` is given the preset's prefill rate and base unless its spec sets them, as an operator would set
-//! them from the engine's measured costs; each simulated endpoint reports the preset's KV capacity.
+//! `cache_aware` learns each rank's prefill costs from its requests, as on a real engine (`learn_costs=false`: it is
+//! given the preset's prefill rate and base instead, as an operator would set them from the engine's measured
+//! costs); each simulated endpoint reports the preset's KV capacity.
 //!
 //! Progress (requests done of the workload's expected count, elapsed time, ETA) goes to stderr while a terminal is
 //! there to see it; `--quiet` hides it and the per-policy timing lines. `--plot` draws the run as one SVG figure
@@ -159,17 +160,23 @@ fn parse_removal(spec: &str) -> Result<(usize, f64), String> {
     Ok((rank.parse().map_err(|_| bad())?, at))
 }
 
-/// The policy of `spec`, with cache_aware's cost fields taken from `cost` unless the spec sets them.
+/// The policy of `spec`. `cache_aware` learns each rank's prefill costs from its requests (`learn_costs`, the
+/// default), so it starts from its own defaults as on a real engine; with `learn_costs=false` it is given the
+/// preset's prefill rate and base, as an operator would set them from the engine's measured costs, unless the spec
+/// sets them. Either way it is given the preset's `prefill_contention` unless the spec sets it (no fit learns that).
 fn build_config(spec: &str, cost: &CostModel) -> anyhow::Result<PolicyConfig> {
     let mut obj = PolicyConfig::spec_object(spec)?;
     if obj.get("policy").and_then(|p| p.as_str()) == Some("cache_aware") {
+        let learns = obj.get("learn_costs").and_then(|l| l.as_bool()) != Some(false);
         // A cost-free engine (preset `zero`) has no prefill rate to copy: cache_aware needs a positive one, so it
         // keeps its default.
-        if cost.prefill_tokens_per_s > 0.0 && cost.prefill_tokens_per_s.is_finite() {
-            obj.entry("prefill_tokens_per_s")
-                .or_insert(cost.prefill_tokens_per_s.into());
+        if !learns {
+            if cost.prefill_tokens_per_s > 0.0 && cost.prefill_tokens_per_s.is_finite() {
+                obj.entry("prefill_tokens_per_s")
+                    .or_insert(cost.prefill_tokens_per_s.into());
+            }
+            obj.entry("base_ms").or_insert((cost.base_s * 1000.0).into());
         }
-        obj.entry("base_ms").or_insert((cost.base_s * 1000.0).into());
         obj.entry("prefill_contention")
             .or_insert(cost.prefill_contention.into());
     }

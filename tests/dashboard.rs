@@ -253,6 +253,14 @@ async fn precise_mode_scrape(c: &common::HttpClient) -> String {
     get(c, &format!("{}/metrics", gw.url)).await.text
 }
 
+/// A gateway whose endpoint's prefill costs are fitted, after a dozen requests of different lengths: its scrape.
+async fn learned_costs_scrape(c: &common::HttpClient) -> String {
+    let engine = Proc::engine(&["--dp-size", "1", "--prefill-rate", "200000"]);
+    let gw = Proc::start(&["serve", "--listen", "127.0.0.1:0", "--worker", &engine.url]);
+    common::spread_prompts(c, &gw.url, 0, 12).await;
+    get(c, &format!("{}/metrics", gw.url)).await.text
+}
+
 /// A gateway with one client (`[[clients]]`), after a request with its key and one without: its scrape.
 async fn clients_scrape(c: &common::HttpClient) -> String {
     let engine = Proc::engine(&["--dp-size", "1"]);
@@ -379,7 +387,12 @@ async fn a_gateway_exports_every_series_the_dashboard_queries() {
     samples.extend(more_samples);
     kinds.extend(more_kinds);
     // Clients' series from a third, with a client's key; flow control's from a fourth, with a request queued.
-    for scrape in [clients_scrape(&c).await, flow_control_scrape(&c).await] {
+    // Learned prefill costs' from a fifth, after requests of different lengths.
+    for scrape in [
+        clients_scrape(&c).await,
+        flow_control_scrape(&c).await,
+        learned_costs_scrape(&c).await,
+    ] {
         let (more_samples, more_kinds) = parse_scrape(&scrape);
         samples.extend(more_samples);
         kinds.extend(more_kinds);

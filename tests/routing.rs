@@ -439,3 +439,52 @@ async fn requests_go_to_the_workers_serving_their_model() {
         "a prefix on one model says nothing of another"
     );
 }
+
+/// Each endpoint's prefill costs are learned from its own requests: two mock engines four times apart in prefill
+/// rate behind one gateway; after 40 requests of 200 to 4,000 tokens to each, `/workers` and `/metrics` show each
+/// endpoint's fitted rate within 15% of its engine's (the fit is robust to the network's and the engine's jitter).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_endpoints_prefill_costs_are_learned_from_its_requests() {
+    let fast = Proc::engine(&["--dp-size", "1", "--prefill-rate", "100000", "--base-ms", "5"]);
+    let slow = Proc::engine(&["--dp-size", "1", "--prefill-rate", "25000", "--base-ms", "5"]);
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &fast.url,
+        "--worker",
+        &slow.url,
+        "--policy",
+        "cache_aware",
+    ]);
+    let c = client();
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    assert_eq!(
+        workers["workers"][0]["endpoints"][0]["prefill_costs"]["fitted"],
+        Value::Null
+    );
+    common::spread_prompts(&c, &gw.url, 0, 40).await;
+    common::spread_prompts(&c, &gw.url, 1, 40).await;
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    for (w, rate) in [(0, 100_000.0), (1, 25_000.0)] {
+        let costs = &workers["workers"][w]["endpoints"][0]["prefill_costs"];
+        let fitted = costs["fitted"]["tokens_per_s"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no fit: {costs}"));
+        assert!(
+            (fitted / rate - 1.0).abs() < 0.15,
+            "worker {w}: fitted {fitted} tokens/s for {rate}: {costs}"
+        );
+        assert_eq!(costs["samples"], 40);
+    }
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    assert_eq!(
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("dprouter_endpoint_prefill_tokens_per_second{"))
+            .count(),
+        2,
+        "{metrics}"
+    );
+}

@@ -590,3 +590,17 @@ pub fn cached_tokens(reply: &Reply) -> Option<u64> {
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .find_map(|v| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64())
 }
+
+/// Sends `n` streamed `/generate` requests of 200 to 4,000 fresh (uncached) token ids each to global rank `rank`,
+/// one after another.
+pub async fn spread_prompts(c: &HttpClient, gateway: &str, rank: usize, n: u32) {
+    for i in 0..n {
+        let len = 200 + (i * 797) % 3_800;
+        let ids: Vec<u32> = (0..len)
+            .map(|t| 1_000 + (rank as u32) * 50_000_000 + i * 10_000 + t)
+            .collect();
+        let body = serde_json::json!({"input_ids": ids, "stream": true, "sampling_params": {"max_new_tokens": 1}, "routed_dp_rank": rank});
+        let reply = post(c, &format!("{gateway}/generate"), &[], &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
+}

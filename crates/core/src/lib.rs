@@ -8,6 +8,7 @@ pub mod anthropic;
 pub mod block_index;
 mod chat;
 pub mod config;
+pub mod cost_fit;
 pub mod dp_router;
 pub mod endpoint;
 pub mod engine_blocks;

@@ -24,10 +24,17 @@
 //!   clock the caller keeps (the gateway's process clock, the simulator's virtual time); a caller without a clock
 //!   passes 0 everywhere and sees no progress.
 //!
-//! All reads and updates are a few relaxed atomics: O(1) per endpoint, no locks on the routing path.
+//! - **Prefill costs** ([`crate::cost_fit`]): the endpoint's fixed cost and cost per uncached prompt token, fitted
+//!   from its requests' service times ([`LoadGuard::first_token`] measures each) and the cached tokens its engine
+//!   reported; [`EndpointLoad::fitted_costs`] once the fit has enough samples.
+//!
+//! All reads and updates are a few relaxed atomics: O(1) per endpoint, no locks on the routing path (the cost fit
+//! takes a short lock once per request, at its feedback).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
+
+use crate::cost_fit::{CostFit, FittedCosts};
 
 /// A load report published by one engine rank (SGLang `/get_load`, or the scheduler's own stats).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,6 +85,7 @@ pub struct EndpointLoad {
     last_report: Mutex<Option<EngineReport>>,
     /// When the engine last answered a load poll, on the caller's clock plus one (0: never).
     reported_at_us_plus_one: AtomicU64,
+    costs: Mutex<CostFit>,
 }
 
 impl EndpointLoad {
@@ -118,6 +126,33 @@ impl EndpointLoad {
             return 0;
         }
         now_us.saturating_sub(self.prefill_since_us.load(Relaxed))
+    }
+
+    /// One prefill done: `uncached_tokens` took `service_us` ([`crate::cost_fit`]). A zero service time (a
+    /// caller without a clock) is no sample.
+    pub fn observe_prefill(&self, uncached_tokens: u64, service_us: u64) {
+        if service_us > 0 {
+            self.costs().add(uncached_tokens, service_us);
+        }
+    }
+
+    /// The endpoint's prefill costs as fitted so far; `None` until the fit has enough samples.
+    pub fn fitted_costs(&self) -> Option<FittedCosts> {
+        self.costs().fitted()
+    }
+
+    /// Forgets the fitted costs (the engine restarted: it may run another model, on other hardware).
+    pub fn reset_costs(&self) {
+        *self.costs() = CostFit::default();
+    }
+
+    /// Samples the cost fit holds.
+    pub fn cost_samples(&self) -> usize {
+        self.costs().len()
+    }
+
+    fn costs(&self) -> std::sync::MutexGuard<'_, CostFit> {
+        self.costs.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The view `total_requests` and `total_tokens` compare.
@@ -177,6 +212,8 @@ pub struct LoadGuard {
     prefill: Option<u64>,
     /// The report epoch the speculative increment belongs to; `None` when not counted speculatively.
     speculative_epoch: Option<u64>,
+    /// When it was acquired, on the caller's clock.
+    acquired_us: u64,
 }
 
 impl LoadGuard {
@@ -217,16 +254,25 @@ impl LoadGuard {
             tokens,
             prefill: Some(prefill_tokens),
             speculative_epoch,
+            acquired_us: now_us,
         }
     }
 
     /// The first token arrived at `now_us`: releases this request's queued-prefill share, and the endpoint's next
     /// queued request begins its prefill now. Only the first call has an effect; the in-flight share stays until
-    /// the guard is dropped.
-    pub fn first_token(&mut self, now_us: u64) {
-        if self.release_prefill() {
-            self.load.prefill_since_us.store(now_us, Relaxed);
+    /// the guard is dropped. Returns the request's service time: from when the endpoint could start on it (its
+    /// arrival, or the endpoint's previous first token, whichever came later) to now; `None` after the first call.
+    pub fn first_token(&mut self, now_us: u64) -> Option<u64> {
+        if !self.release_prefill() {
+            return None;
         }
+        let since = self.load.prefill_since_us.swap(now_us, Relaxed);
+        Some(now_us.saturating_sub(since.max(self.acquired_us)))
+    }
+
+    /// The endpoint whose load it holds.
+    pub fn load(&self) -> &EndpointLoad {
+        &self.load
     }
 
     /// Releases the queued-prefill share if it is still held; returns whether it was.

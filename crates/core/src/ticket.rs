@@ -54,6 +54,10 @@ pub struct Ticket<P: PolicyRef> {
     reported: bool,
     /// Rerouted: the policy was told by `retract`, not `release`.
     retracted: bool,
+    /// Its service time, from its first token, until the engine's usage report completes the cost sample.
+    service_us: Option<u64>,
+    /// Its uncached prompt tokens, from the engine's usage report, until the first token completes the sample.
+    uncached: Option<u64>,
 }
 
 impl<P: PolicyRef> std::fmt::Debug for Ticket<P> {
@@ -112,6 +116,8 @@ fn issue<P: PolicyRef>(
         prepared,
         reported: false,
         retracted: false,
+        service_us: None,
+        uncached: None,
     })
 }
 
@@ -122,9 +128,22 @@ impl<P: PolicyRef> Ticket<P> {
     }
 
     /// The first token arrived at `now_us` (the request's clock): the request's queued-prefill share is released
-    /// and the endpoint's next queued request begins its prefill. Only the first call has an effect.
+    /// and the endpoint's next queued request begins its prefill. Only the first call has an effect. With the
+    /// engine's usage report, its service time is a sample of the endpoint's prefill costs
+    /// ([`crate::cost_fit`]).
     pub fn first_token(&mut self, now_us: u64) {
-        self.guard.first_token(now_us);
+        if let Some(service) = self.guard.first_token(now_us) {
+            self.service_us = Some(service);
+            self.sample_costs();
+        }
+    }
+
+    /// Feeds the endpoint's cost fit once both halves of the sample are known.
+    fn sample_costs(&mut self) {
+        if let (Some(service), Some(uncached)) = (self.service_us, self.uncached) {
+            self.guard.load().observe_prefill(uncached, service);
+            self.service_us = None;
+        }
     }
 
     /// The engine's usage report: the policy learns how much of the prompt the endpoint had cached. Only the first
@@ -133,6 +152,8 @@ impl<P: PolicyRef> Ticket<P> {
         if std::mem::replace(&mut self.reported, true) {
             return false;
         }
+        self.uncached = Some(usage.prompt_tokens.saturating_sub(usage.cached_tokens));
+        self.sample_costs();
         self.policy.policy().observe(
             self.endpoint,
             &self.req,

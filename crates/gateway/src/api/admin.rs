@@ -170,7 +170,17 @@ pub(crate) async fn kv_events(State(state): State<Arc<AppState>>) -> Json<Value>
     Json(json!({ "feeds": feeds }))
 }
 
-/// `GET /workers`: every worker and endpoint with health, load and active sessions, and the policy's decisions.
+/// An endpoint's prefill costs as learned from its requests ([`dprouter_core::cost_fit`]): the samples held,
+/// and the fit once there is one (`null` until then).
+fn prefill_costs(load: &dprouter_core::EndpointLoad) -> Value {
+    let fitted = load
+        .fitted_costs()
+        .map(|f| json!({"base_ms": f.base_us / 1000.0, "tokens_per_s": f.tokens_per_s(), "samples": f.samples}));
+    json!({"samples": load.cost_samples(), "fitted": fitted})
+}
+
+/// `GET /workers`: every worker and endpoint with health, load, active sessions and learned prefill costs, and the
+/// policy's decisions.
 pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Value> {
     let membership = state.registry.membership();
     let now = crate::common::clock::now_us();
@@ -201,6 +211,7 @@ pub(crate) async fn list_workers(State(state): State<Arc<AppState>>) -> Json<Val
                         "engine_report": e.load.last_report().map(|r| json!({"requests": r.requests, "waiting": r.waiting, "tokens": r.tokens, "timestamp": r.timestamp})),
                         "saturated": state.flow.as_ref().map(|f| f.saturated(&e.load, w.kv_capacity, now)),
                         "sessions": rank_of(e.id).and_then(|r| sessions.get(r)).copied().unwrap_or(0),
+                        "prefill_costs": prefill_costs(&e.load),
                     })
                 })
                 .collect();

@@ -339,9 +339,10 @@ impl Registry {
                     w.active_healthy.store(true, Relaxed);
                     // The worker was down and is back (a restart, most often): what its endpoints failed before says
                     // nothing about them now, so their ejections end with it (as Envoy's
-                    // `successful_active_health_check_uneject_host`; a worker that stays up keeps them).
+                    // `successful_active_health_check_uneject_host`; a worker that stays up keeps them), and so do
+                    // the prefill costs learned from them.
                     for e in &w.endpoints {
-                        e.readmit();
+                        e.restarted();
                     }
                     changes.up.push(w.url.to_string());
                 }

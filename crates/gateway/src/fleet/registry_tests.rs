@@ -190,8 +190,15 @@ fn a_worker_back_from_down_comes_back_with_every_endpoint() {
     r.record_failure(ep(w, 0), Failure::Connect, t0);
     r.record_probe(w, false);
     assert!(healthy(&r).is_empty(), "down (the refused connection made it suspect)");
+    // What was learned of its prefill costs before is about the engine that was there then.
+    let load = std::sync::Arc::clone(&r.workers()[0].endpoints[1].load);
+    for tokens in 0..20 {
+        load.observe_prefill(100 + tokens * 100, 1_000 + tokens * 50);
+    }
+    assert!(load.fitted_costs().is_some());
     // Restarted well within the ejection time: both endpoints serve again at once.
     r.record_probe(w, true);
+    assert!(load.fitted_costs().is_some(), "not back yet");
     r.record_probe(w, true);
     assert_eq!(healthy(&r), vec![0, 1]);
     assert_eq!(
@@ -199,6 +206,7 @@ fn a_worker_back_from_down_comes_back_with_every_endpoint() {
         0,
         "in good standing, not on probation"
     );
+    assert_eq!(load.cost_samples(), 0, "the restarted engine's costs are learned anew");
 }
 
 #[test]

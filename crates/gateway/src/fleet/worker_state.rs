@@ -66,10 +66,13 @@ impl EndpointState {
         }
     }
 
-    /// Back in good standing: no ejection, no failures on record.
-    pub(super) fn readmit(&self) {
+    /// Its engine came back after being down (a restart, most often): back in good standing (no ejection, no
+    /// failures on record), and the prefill costs learned before are forgotten (it may run another model, on
+    /// another GPU, now).
+    pub(super) fn restarted(&self) {
         *self.outlier() = Outlier::default();
         self.clean.store(true, Relaxed);
+        self.load.reset_costs();
     }
 
     /// A successful answer: the endpoint's run of failures ends and its recent failure rate decays.

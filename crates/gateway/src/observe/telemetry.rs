@@ -9,6 +9,7 @@
 //! | `dprouter_endpoint_in_flight_requests` | gauge | `endpoint` |
 //! | `dprouter_endpoint_healthy` | gauge | `endpoint` |
 //! | `dprouter_endpoint_sessions` | gauge | `endpoint` (the sessions active there: `cache_aware` keeps them home) |
+//! | `dprouter_endpoint_prefill_tokens_per_second`, `dprouter_endpoint_prefill_base_seconds` | gauge | `endpoint` (its prefill costs as fitted from its requests, once there is a fit: `dprouter_core::cost_fit`) |
 //! | `dprouter_ttft_seconds` | histogram | `endpoint` (streaming responses: request received to first byte) |
 //! | `dprouter_request_duration_seconds` | histogram | `route` (request received to the end of the response body) |
 //! | `dprouter_prompt_tokens_total`, `dprouter_cached_tokens_total` | counter | `endpoint` (from engine usage reports; their ratio is the observed cache hit rate) |
@@ -40,6 +41,8 @@ pub const RETRIES: &str = "dprouter_retries_total";
 pub const IN_FLIGHT: &str = "dprouter_endpoint_in_flight_requests";
 pub const HEALTHY: &str = "dprouter_endpoint_healthy";
 pub const SESSIONS: &str = "dprouter_endpoint_sessions";
+pub const PREFILL_RATE: &str = "dprouter_endpoint_prefill_tokens_per_second";
+pub const PREFILL_BASE: &str = "dprouter_endpoint_prefill_base_seconds";
 pub const TTFT: &str = "dprouter_ttft_seconds";
 pub const DURATION: &str = "dprouter_request_duration_seconds";
 pub const PROMPT_TOKENS: &str = "dprouter_prompt_tokens_total";
@@ -68,6 +71,8 @@ pub const ALL: &[&str] = &[
     IN_FLIGHT,
     HEALTHY,
     SESSIONS,
+    PREFILL_RATE,
+    PREFILL_BASE,
     TTFT,
     DURATION,
     PROMPT_TOKENS,
@@ -127,6 +132,10 @@ pub fn render(membership: &Membership, sessions: &[usize]) -> String {
         let label = target.label();
         let active = sessions.get(rank).copied().unwrap_or(0);
         metrics::gauge!(SESSIONS, "endpoint" => label.clone()).set(active as f64);
+        if let Some(costs) = endpoint.load.fitted_costs() {
+            metrics::gauge!(PREFILL_RATE, "endpoint" => label.clone()).set(costs.tokens_per_s());
+            metrics::gauge!(PREFILL_BASE, "endpoint" => label.clone()).set(costs.base_us / 1e6);
+        }
         metrics::gauge!(IN_FLIGHT, "endpoint" => label.clone()).set(endpoint.load.in_flight_requests() as f64);
         metrics::gauge!(HEALTHY, "endpoint" => label).set(if endpoint.healthy { 1.0 } else { 0.0 });
     }

@@ -16,10 +16,13 @@ pub struct CacheAwareConfig {
     pub block_tokens: usize,
     /// KV capacity in tokens of an endpoint that does not report its own.
     pub kv_capacity_tokens: u64,
-    /// One engine rank's prefill throughput, tokens per second.
+    /// One engine rank's prefill throughput, tokens per second (until its own is learned: `learn_costs`).
     pub prefill_tokens_per_s: f64,
-    /// Fixed time per prefill, milliseconds.
+    /// Fixed time per prefill, milliseconds (until its own is learned: `learn_costs`).
     pub base_ms: f64,
+    /// Predict each endpoint with the prefill costs fitted from its own requests once there are enough of them
+    /// (`crate::cost_fit`); `false` keeps `prefill_tokens_per_s` and `base_ms` for every endpoint.
+    pub learn_costs: bool,
     /// How much the endpoints' prefills share compute (expert parallelism), from 0 (independent ranks) to 1: a
     /// prefill is predicted longer by this share of the time it overlaps the prefill work queued at each other
     /// endpoint (while k others prefill, it advances at about `1 / (1 + prefill_contention · k)` of its speed).
@@ -70,6 +73,7 @@ impl Default for CacheAwareConfig {
             kv_capacity_tokens: 400_000,
             prefill_tokens_per_s: 25_000.0,
             base_ms: 25.0,
+            learn_costs: true,
             prefill_contention: 0.0,
             correct_on_feedback: true,
             prefill_progress: true,

@@ -83,6 +83,7 @@ pub use config::CacheAwareConfig;
 mod config;
 mod contention;
 mod conversations;
+mod costs;
 mod events;
 mod learned;
 mod recent;
@@ -194,19 +195,16 @@ impl CacheAware {
     }
 
     /// The predicted TTFT in microseconds of `uncached` new tokens behind `queued` requests of `queued_tokens`,
-    /// the oldest of which has been prefilling for `elapsed_us`.
+    /// the oldest of which has been prefilling for `elapsed_us`, at the configured costs.
     pub fn predicted_ttft_us(&self, queued: u64, queued_tokens: u64, elapsed_us: u64, uncached: u64) -> u64 {
-        let queue = self.prefill_us(queued, queued_tokens);
-        let done = queue.checked_div(queued).map_or(0, |share| elapsed_us.min(share));
-        queue - done + self.prefill_us(1, uncached)
+        Self::predicted_ttft_at(self.configured_costs(), queued, queued_tokens, elapsed_us, uncached)
     }
 
-    /// Prefill time in microseconds of `requests` requests of `tokens` uncached tokens in all.
-    fn prefill_us(&self, requests: u64, tokens: u64) -> u64 {
-        let base = self.config.base_ms.max(0.0) * 1000.0 * requests as f64;
-        let rate = self.config.prefill_tokens_per_s;
-        let work = if rate > 0.0 { tokens as f64 * 1e6 / rate } else { 0.0 };
-        (base + work).round() as u64
+    /// [`CacheAware::predicted_ttft_us`] at `costs`.
+    fn predicted_ttft_at(costs: costs::Costs, queued: u64, queued_tokens: u64, elapsed_us: u64, uncached: u64) -> u64 {
+        let queue = costs.prefill_us(queued, queued_tokens);
+        let done = queue.checked_div(queued).map_or(0, |share| elapsed_us.min(share));
+        queue - done + costs.prefill_us(1, uncached)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -345,16 +343,19 @@ impl Policy for CacheAware {
                 false => 0,
             }
         };
+        // Each endpoint's prefill costs, by rank (learned or configured).
+        let costs = self.costs_by_rank(snap);
         // Each endpoint's queued prefill work, when prefills contend across endpoints.
         let queued_work = |r: usize| {
             let load = snap.load(r);
-            self.predicted_ttft_us(
+            Self::predicted_ttft_at(
+                costs[r],
                 load.queued_prefill_requests(),
                 load.queued_prefill_tokens(),
                 progress_at(r),
                 0,
             )
-            .saturating_sub(self.prefill_us(1, 0))
+            .saturating_sub(costs[r].prefill_us(1, 0))
         };
         let contention = self.config.prefill_contention;
         let overlap = match contention > 0.0 {
@@ -377,9 +378,14 @@ impl Policy for CacheAware {
                 state.conversations.remaining_turns(sessions, made)
             }
         };
+        // One warm turn's prefill: the fewest uncached tokens, at that candidate's costs.
         let warm_turn = match remaining > 0.0 {
             false => 0,
-            true => self.prefill_us(1, uncached_at.iter().copied().min().unwrap_or(0)),
+            true => c
+                .iter()
+                .zip(&uncached_at)
+                .min_by_key(|&(_, &uncached)| uncached)
+                .map_or(0, |(r, &uncached)| costs[r].prefill_us(1, uncached)),
         };
         // The other conversations' summed pace at each candidate; when prefills contend, a share of those
         // elsewhere too.
@@ -401,7 +407,8 @@ impl Policy for CacheAware {
                 let blocks = blocks_at(r);
                 let load = snap.load(r);
                 let uncached = uncached_at[i];
-                let mut ttft = self.predicted_ttft_us(
+                let mut ttft = Self::predicted_ttft_at(
+                    costs[r],
                     load.queued_prefill_requests(),
                     load.queued_prefill_tokens(),
                     progress_at(r),
@@ -411,10 +418,10 @@ impl Policy for CacheAware {
                     // Work queued elsewhere slows this endpoint's queue and prefill while they overlap.
                     ttft += (contention * overlap.with_others(ttft, queued_work(r)) as f64) as u64;
                 }
-                let own_prefill = self.prefill_us(0, uncached);
+                let own_prefill = costs[r].prefill_us(0, uncached);
                 let congestion = self.config.congestion_weight.max(0.0) * load.queued_prefill_requests() as f64;
                 let evicted = evicted_at(r, blocks);
-                let eviction = self.config.eviction_weight * self.prefill_us(0, evicted as u64 * block) as f64;
+                let eviction = self.config.eviction_weight * costs[r].prefill_us(0, evicted as u64 * block) as f64;
                 let sharing = loads.get(i).map_or(0.0, |load| remaining * load * warm_turn as f64);
                 let cost = ttft
                     .saturating_add((congestion * own_prefill as f64) as u64)
@@ -475,7 +482,7 @@ impl Policy for CacheAware {
             state.homes.record(session, snap.endpoints()[rank].id, req.now_us);
         }
         if sessions > 0 {
-            let service = self.prefill_us(1, uncached);
+            let service = costs[rank].prefill_us(1, uncached);
             let idle = half_life_us as u64;
             state
                 .conversations

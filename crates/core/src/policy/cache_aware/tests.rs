@@ -418,3 +418,42 @@ fn an_active_session_goes_home_until_its_endpoint_is_out_or_busy_or_it_idled() {
         "idle past its TTL, the session is forgotten"
     );
 }
+
+/// Gives `rank`'s endpoint a fit of `us_per_token` µs a token and no base.
+fn learned(snap: &Snapshot, rank: usize, us_per_token: u64) {
+    for i in 1..=20u64 {
+        snap.load(rank).observe_prefill(i * 100, i * 100 * us_per_token);
+    }
+    assert!(snap.load(rank).fitted_costs().is_some());
+}
+
+#[test]
+fn learned_costs_steer_away_from_a_slow_endpoint_and_lend_the_fleets_to_the_unfitted() {
+    // Four endpoints; 0 is fitted at 400 µs a token (2,500 tokens/s), 1 and 2 at 20 µs, 3 has no fit yet.
+    let snap = Snapshot::single_worker(4);
+    learned(&snap, 0, 400);
+    learned(&snap, 1, 20);
+    learned(&snap, 2, 20);
+    let ranks_of = |p: &CacheAware| -> Vec<usize> {
+        (0..40)
+            .map(|i| {
+                route(p, &snap, &RouteRequest::tokens(prompt(100 + i, 2_000)))
+                    .unwrap()
+                    .rank
+            })
+            .collect()
+    };
+    // Cold prompts on idle endpoints: learned, the slow one is predicted 20 times longer and never chosen; the
+    // unfitted one is predicted at the fleet's median (20 µs, no base), as fast as 1 and 2 (at the configured
+    // costs, 25 ms + 40 µs a token, it would never be).
+    let got = ranks_of(&policy());
+    assert!(!got.contains(&0), "{got:?}");
+    assert!(got.contains(&3), "{got:?}");
+    // With the configured costs for all, the rendezvous spreads them over every endpoint.
+    let configured = CacheAware::new(CacheAwareConfig {
+        block_tokens: 16,
+        learn_costs: false,
+        ..CacheAwareConfig::default()
+    });
+    assert!(ranks_of(&configured).contains(&0));
+}
