@@ -362,3 +362,67 @@ async fn the_anthropic_sdk_keeps_each_agent_on_its_rank() {
         "{stdout}"
     );
 }
+
+/// The least-squares line through `samples` (x, y): its slope.
+fn least_squares_slope(samples: &[(f64, f64)]) -> f64 {
+    let n = samples.len() as f64;
+    let (mx, my) = (
+        samples.iter().map(|s| s.0).sum::<f64>() / n,
+        samples.iter().map(|s| s.1).sum::<f64>() / n,
+    );
+    let sxy: f64 = samples.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+    let sxx: f64 = samples.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
+    sxy / sxx
+}
+
+/// The gateway learns the CPU engine's prefill rate from its requests: ten streamed completions of about 50 to
+/// 750 fresh prompt tokens, pinned to rank 0 one after another; an offline least-squares fit of the same requests'
+/// time to first byte (measured at the client) against their uncached tokens (vLLM's usage) gives the rate
+/// `/workers` must show within 25%.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_learned_prefill_rate_matches_an_offline_fit_of_the_same_requests() {
+    use http_body_util::BodyExt;
+    let _one = ENGINE.lock().await;
+    let Some(engine) = cold_engine().await else { return };
+    let (gw, _) = gateway(engine, "costs", "", "policy = \"cache_aware\"", "");
+    let c = client();
+    let mut samples = Vec::new();
+    for i in 0..10u64 {
+        let words: String = (0..40 + i * 60).map(|w| format!("item{} ", (w * 7 + i) % 97)).collect();
+        let body = json!({"model": "smollm2", "prompt": format!("Request {i}: {words}"), "max_tokens": 1,
+                          "stream": true, "stream_options": {"include_usage": true}});
+        let started = std::time::Instant::now();
+        let url = format!("{}/v1/completions", gw.url);
+        let reply = common::send(&c, &url, &[("x-data-parallel-rank", "0")], body.to_string()).await;
+        assert_eq!(reply.status(), StatusCode::OK);
+        let mut stream = reply.into_body();
+        let (mut first, mut text) = (None, Vec::new());
+        while let Some(frame) = stream.frame().await {
+            if let Some(data) = frame.unwrap().data_ref() {
+                first = first.or((!data.is_empty()).then(|| started.elapsed()));
+                text.extend_from_slice(data);
+            }
+        }
+        let text = String::from_utf8(text).unwrap();
+        let usage: Value = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .find_map(|v| v.get("usage").filter(|u| !u.is_null()).cloned())
+            .unwrap_or_else(|| panic!("no usage in {text}"));
+        let prompt = usage["prompt_tokens"].as_u64().unwrap();
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        samples.push(((prompt - cached) as f64, first.unwrap().as_secs_f64() * 1e6));
+    }
+    let offline = 1e6 / least_squares_slope(&samples);
+    let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
+    let costs = &workers["workers"][0]["endpoints"][0]["prefill_costs"];
+    let learned = costs["fitted"]["tokens_per_s"]
+        .as_f64()
+        .unwrap_or_else(|| panic!("no fit: {costs}"));
+    eprintln!("prefill rate: learned {learned:.1} tokens/s, offline {offline:.1}; samples {samples:?}");
+    assert!(
+        (learned / offline - 1.0).abs() < 0.25,
+        "learned {learned} tokens/s against {offline} offline: {costs}, {samples:?}"
+    );
+}

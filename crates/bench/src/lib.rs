@@ -360,7 +360,12 @@ pub async fn run(
                     Report::Finished(done) => done,
                 };
                 in_flight -= 1;
-                tickets.remove(&done.req.id);
+                if let Some(ticket) = tickets.remove(&done.req.id) {
+                    match &done.result {
+                        Ok(m) => ticket.end(to_virtual(m.finish), done.req.tool_call),
+                        Err(_) => drop(ticket),
+                    }
+                }
                 // Reap finished tasks so the set stays as small as the requests in flight.
                 while tasks.try_join_next().is_some() {}
                 let measured = match done.result {

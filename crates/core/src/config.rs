@@ -253,6 +253,7 @@ impl PolicyConfig {
                     ("eviction_weight", c.eviction_weight),
                     ("recent_epsilon", c.recent_epsilon),
                     ("cold_tolerance_ms", c.cold_tolerance_ms),
+                    ("pause_weight", c.pause_weight),
                 ] {
                     if !(value.is_finite() && value >= 0.0) {
                         return fail(field, format!("must be a finite number at least 0, got {value}"));

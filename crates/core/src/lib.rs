@@ -25,6 +25,7 @@ pub mod prompt;
 pub mod request;
 pub mod request_body;
 pub mod ticket;
+pub mod tool_calls;
 pub mod usage;
 
 pub use config::{ConfigError, InvalidOption, PolicyConfig};
@@ -32,7 +33,7 @@ pub use endpoint::{Endpoint, EndpointId, Snapshot, WorkerId};
 pub use error::RouteError;
 pub use load::{EndpointLoad, EngineReport, LoadGuard, LoadView};
 pub use policy::{
-    route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, IndexStats, Pick, Policy,
+    route, AffinityLoad, Branch, CacheAware, CacheAwareConfig, Candidates, Ending, IndexStats, Pick, Policy,
     PrefixAffinityConfig, Prepared,
 };
 pub use prefix_key::PrefixWindow;

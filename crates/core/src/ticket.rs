@@ -12,7 +12,7 @@ use std::sync::Arc;
 use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::load::LoadGuard;
-use crate::policy::{decide, Branch, Candidates, Pick, Policy, Prepared};
+use crate::policy::{decide, Branch, Candidates, Ending, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 use crate::usage::Usage;
 
@@ -58,6 +58,8 @@ pub struct Ticket<P: PolicyRef> {
     service_us: Option<u64>,
     /// Its uncached prompt tokens, from the engine's usage report, until the first token completes the sample.
     uncached: Option<u64>,
+    /// How it ended, once [`Ticket::end`] said.
+    ending: Ending,
 }
 
 impl<P: PolicyRef> std::fmt::Debug for Ticket<P> {
@@ -118,6 +120,7 @@ fn issue<P: PolicyRef>(
         retracted: false,
         service_us: None,
         uncached: None,
+        ending: Ending::default(),
     })
 }
 
@@ -164,6 +167,16 @@ impl<P: PolicyRef> Ticket<P> {
         true
     }
 
+    /// The answer ended whole at `now_us`, on tool calls or not ([`crate::tool_calls`]): the request ends, and the
+    /// policy hears how. (Dropping a ticket without this ends it unanswered.)
+    pub fn end(mut self, now_us: u64, tool_call: bool) {
+        self.ending = Ending {
+            answered: true,
+            tool_call,
+            now_us,
+        };
+    }
+
     /// The endpoint never got the request (its connection was refused): the policy forgets that it went there,
     /// its load is released, and the request is routed again at `now_us` among the healthy endpoints of `snap` that
     /// `accept` lets through. A client's rank override names the same rank again.
@@ -189,7 +202,7 @@ impl<P: PolicyRef> Drop for Ticket<P> {
         if !self.retracted {
             self.policy
                 .policy()
-                .release(self.endpoint, &self.req, &self.prepared, &self.pick);
+                .release(self.endpoint, &self.req, &self.prepared, &self.pick, self.ending);
         }
     }
 }
@@ -239,8 +252,11 @@ mod tests {
             self.calls.lock().unwrap().push(format!("retract {e}"));
         }
 
-        fn release(&self, e: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {
-            self.calls.lock().unwrap().push(format!("release {e}"));
+        fn release(&self, e: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick, end: Ending) {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("release {e} {}", end.tool_call));
         }
     }
 
@@ -272,7 +288,7 @@ mod tests {
         assert_eq!(snap.load(1).queued_prefill_requests(), 0);
         assert!(ticket.usage(usage(2)));
         assert!(!ticket.usage(usage(3)), "one report per request");
-        drop(ticket);
+        ticket.end(9, true);
         assert_eq!(snap.load(1).in_flight_requests(), 0);
         assert_eq!(
             *policy.calls.lock().unwrap(),
@@ -282,7 +298,7 @@ mod tests {
                 "retract w0r0",
                 "choose 1 [3]",
                 "observe w0r1 2 [3]",
-                "release w0r1"
+                "release w0r1 true"
             ]
         );
     }

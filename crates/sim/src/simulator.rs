@@ -713,9 +713,13 @@ impl<'a> Sim<'a> {
             }
             self.publish_events(live.rank, now);
         }
-        // Releases this request's in-flight load (both legs' under disaggregation).
-        live.ticket = None;
-        live.decode_ticket = None;
+        // Ends the request (both legs under disaggregation), releasing its in-flight load.
+        if let Some(ticket) = live.ticket.take() {
+            ticket.end(now, live.req.tool_call);
+        }
+        if let Some(ticket) = live.decode_ticket.take() {
+            ticket.end(now, live.req.tool_call);
+        }
         self.outcome.records.push(RequestRecord {
             id: live.req.id,
             group: live.req.group,

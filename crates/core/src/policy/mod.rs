@@ -151,6 +151,19 @@ impl Pick {
     }
 }
 
+/// How a request ended, as [`Policy::release`] hears it ([`Ticket::end`](crate::Ticket::end); a ticket dropped
+/// without it ended unanswered).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Ending {
+    /// The answer came whole.
+    pub answered: bool,
+    /// It ended on tool calls (OpenAI's `finish_reason` `tool_calls`, Anthropic's `stop_reason` `tool_use`, a
+    /// Responses `function_call`, [`crate::tool_calls`]): its client will send the next turn once the tool has run.
+    pub tool_call: bool,
+    /// When, on the requests' clock (0 when unanswered).
+    pub now_us: u64,
+}
+
 /// Per-request work a policy does once, before the request's first decision, and gets back in every later hook
 /// of that request (a retry's decision, the engine's feedback): `cache_aware` keeps the prompt's block hashes here.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -285,10 +298,12 @@ pub trait Policy: Send + Sync {
     /// get its prompt.
     fn retract(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
 
-    /// The request sent to `endpoint` ended (answered, failed or abandoned): its ticket was dropped. Not called
-    /// for a rerouted request's first endpoint (that one hears [`Policy::retract`]). A policy that tracks what is
-    /// active per endpoint (Dynamo's KV router) lets it go here.
-    fn release(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick) {}
+    /// The request sent to `endpoint` ended, as `ending` says (answered, on tool calls or not; or failed or
+    /// abandoned): its ticket ended. Not called for a rerouted request's first endpoint (that one hears
+    /// [`Policy::retract`]). A policy that tracks what is active per endpoint (Dynamo's KV router) lets it go here;
+    /// `cache_aware` marks a session paused for a tool.
+    fn release(&self, _endpoint: EndpointId, _req: &RouteRequest, _prepared: &Prepared, _pick: &Pick, _ending: Ending) {
+    }
 
     /// What `endpoint`'s engine reported of its own cache: its KV events, followed into the router's block hashes
     /// ([`crate::engine_blocks`]), at `now_us` on the requests' clock. Only `cache_aware` keeps an index to apply

@@ -26,6 +26,8 @@ pub struct Feedback {
     first_byte: bool,
     sse: bool,
     scanner: UsageScanner,
+    /// Whether the answer ends on tool calls (its agent comes back once the tool has run).
+    tool_calls: dprouter_core::tool_calls::ToolCallScanner,
     exchange: Exchange,
     /// Where a Responses answer's id goes, once read.
     homes: Option<(Arc<ResponseHomes>, Owner)>,
@@ -83,6 +85,7 @@ impl Feedback {
             first_byte: false,
             sse,
             scanner: UsageScanner::new(sse),
+            tool_calls: Default::default(),
             exchange,
             homes: None,
             prefill: None,
@@ -167,6 +170,7 @@ impl Feedback {
                 }
             }
         }
+        self.tool_calls.feed(data);
         if let Some(usage) = self.scanner.feed(data) {
             self.report(usage);
         }
@@ -197,7 +201,10 @@ impl Feedback {
         if let Some(usage) = self.scanner.finish() {
             self.report(usage);
         }
-        self.ticket = None;
+        // The policy hears how it ended: on tool calls, the session pauses where its prefix is.
+        if let Some(ticket) = self.ticket.take() {
+            ticket.end(crate::common::clock::now_us(), self.tool_calls.found());
+        }
         self.prefill = None;
     }
 

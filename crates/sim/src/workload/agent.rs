@@ -99,6 +99,7 @@ impl AgentWorkload {
             group: agent % self.config.prefixes,
             session: agent,
             named_session: false,
+            tool_call: false,
         }
     }
 }

@@ -97,6 +97,7 @@ impl Workload for GroupsWorkload {
             group,
             session: group,
             named_session: false,
+            tool_call: false,
         })
     }
 

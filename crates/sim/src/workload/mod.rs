@@ -37,6 +37,9 @@ pub struct SimRequest {
     /// The client names its session (an agent's session header, as Claude Code sends it): routers are given
     /// `session` as the request's session hint.
     pub named_session: bool,
+    /// Its answer ends on tool calls: its agent sends the next turn once the tool has run (the routers hear it
+    /// when the request ends, as the gateway reads it from an answer's finish reason).
+    pub tool_call: bool,
 }
 
 impl SimRequest {

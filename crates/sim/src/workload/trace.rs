@@ -146,6 +146,7 @@ impl TraceWorkload {
                 group: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
                 session: parsed.hash_ids.first().copied().unwrap_or(u64::MAX),
                 named_session: false,
+                tool_call: false,
             }));
         }
     }

@@ -63,6 +63,11 @@ pub struct CacheAwareConfig {
     pub session_ttl_ms: u64,
     /// A session leaves its endpoint when the prompt tokens queued there for prefill pass this.
     pub session_max_queued_prefill_tokens: u64,
+    /// Charge for the prefixes of sessions paused for a tool (their answer ended on tool calls) that a choice
+    /// pushes out of the endpoint's cache: their prefill time, times this weight, on top of `eviction_weight`'s
+    /// (module `pauses`). 0 (the default: measured in `docs/measurements.md`, it helps some agent fleets and
+    /// hurts others): sessions' pauses are not followed.
+    pub pause_weight: f64,
 }
 
 impl Default for CacheAwareConfig {
@@ -86,6 +91,7 @@ impl Default for CacheAwareConfig {
             cold_tolerance_ms: 0.0,
             session_ttl_ms: DEFAULT_SESSION_TTL_MS,
             session_max_queued_prefill_tokens: DEFAULT_SESSION_MAX_QUEUED_PREFILL_TOKENS,
+            pause_weight: 0.0,
         }
     }
 }

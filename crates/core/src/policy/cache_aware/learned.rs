@@ -19,7 +19,7 @@
 
 use crate::endpoint::EndpointId;
 use crate::policy::{Matched, Prepared};
-use crate::request::RouteRequest;
+use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 use super::CacheAware;
 
@@ -52,6 +52,32 @@ impl CacheAware {
         };
         if capacity != state.index.capacity(slot) {
             state.index.set_capacity(slot, capacity);
+        }
+    }
+}
+
+impl CacheAware {
+    /// Whole index blocks in `tokens` of `req`'s prompt.
+    pub(super) fn blocks_of(&self, req: &RouteRequest, tokens: u64) -> usize {
+        let units_per_token = match req.prompt {
+            Prompt::Tokens(_) => 1,
+            Prompt::Bytes(_) => BYTES_PER_TOKEN as usize,
+        };
+        tokens as usize * units_per_token / self.block_units(&req.prompt)
+    }
+
+    /// `endpoint` holds no more than `cached_tokens` of `req`'s prompt: it loses the prompt's blocks past them.
+    pub(super) fn forget_past(
+        &self,
+        endpoint: EndpointId,
+        req: &RouteRequest,
+        prepared: &Prepared,
+        cached_tokens: u64,
+    ) {
+        let held = self.blocks_of(req, cached_tokens);
+        let mut state = self.lock();
+        if let Some(&slot) = state.slots.get(&endpoint) {
+            state.index.forget_from(slot, &prepared.block_hashes, held);
         }
     }
 }

@@ -75,7 +75,7 @@ use crate::endpoint::{EndpointId, Snapshot};
 use crate::error::RouteError;
 use crate::hashing::{block_hashes, prefix_hash, rendezvous_score};
 use crate::policy::session_homes::{SessionHomes, SESSION_CAPACITY};
-use crate::policy::{Branch, Candidates, Matched, Pick, Policy, Prepared, RoundRobin};
+use crate::policy::{Branch, Candidates, Ending, Matched, Pick, Policy, Prepared, RoundRobin};
 use crate::request::{Prompt, RouteRequest, BYTES_PER_TOKEN};
 
 pub use config::CacheAwareConfig;
@@ -86,6 +86,7 @@ mod conversations;
 mod costs;
 mod events;
 mod learned;
+mod pauses;
 mod recent;
 
 /// The index's size, for metrics.
@@ -120,6 +121,8 @@ struct State {
     conversations: conversations::Conversations,
     /// Where the active sessions went last (`session_ttl_ms`).
     homes: SessionHomes,
+    /// The sessions paused for a tool, per slot (`pause_weight`).
+    pauses: pauses::Pauses,
 }
 
 impl State {
@@ -250,6 +253,7 @@ impl CacheAware {
                     state.learned.reset(slot);
                     state.recent.reset(slot);
                     state.conversations.reset(slot);
+                    state.pauses.reset(slot);
                 }
             }
             state.newest = snap.generation();
@@ -317,6 +321,13 @@ impl Policy for CacheAware {
         state.expire_unconfirmed(req.now_us);
         let mut lens = vec![0u32; state.index.slot_count()];
         state.index.match_lengths(hashes, &mut lens);
+        // Each endpoint's prefill costs, by rank (learned or configured).
+        let costs = self.costs_by_rank(snap);
+        // This request resumes its session if it was paused for a tool; the others paused where it may go.
+        if !req.dry_run {
+            state.pauses.resume(req.session, hashes, req.now_us);
+        }
+        let paused = self.pause_costs(&mut state, c, &lens, hashes.len(), &costs, req.now_us);
         let blocks_at = |r: usize| lens[state.slot_of_rank[r]] as usize;
         // Blocks of other prompts the endpoint's cache would have to drop to take this one's new blocks: beyond its
         // capacity, less what it is beyond it already (in precise mode the index also holds the blocks of requests
@@ -343,8 +354,6 @@ impl Policy for CacheAware {
                 false => 0,
             }
         };
-        // Each endpoint's prefill costs, by rank (learned or configured).
-        let costs = self.costs_by_rank(snap);
         // Each endpoint's queued prefill work, when prefills contend across endpoints.
         let queued_work = |r: usize| {
             let load = snap.load(r);
@@ -426,6 +435,7 @@ impl Policy for CacheAware {
                 let cost = ttft
                     .saturating_add((congestion * own_prefill as f64) as u64)
                     .saturating_add(eviction as u64)
+                    .saturating_add(paused.get(i).copied().unwrap_or(0))
                     .saturating_add(sharing as u64);
                 // A session's cold requests go where its earlier ones did (the rendezvous below), not by count.
                 let recent = match req.session {
@@ -558,6 +568,10 @@ impl Policy for CacheAware {
         self.apply_engine_cache(endpoint, change, now_us);
     }
 
+    fn release(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, _pick: &Pick, ending: Ending) {
+        self.ended(endpoint, req, &prepared.block_hashes, ending);
+    }
+
     fn retract(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
         // What the endpoint held before this request: the pick's prediction (an override predicts nothing, so
         // the whole prompt is forgotten there).
@@ -565,26 +579,6 @@ impl Policy for CacheAware {
             .prefill_tokens
             .map_or(0, |prefill| req.input_tokens.saturating_sub(prefill));
         self.forget_past(endpoint, req, prepared, held);
-    }
-}
-
-impl CacheAware {
-    /// Whole index blocks in `tokens` of `req`'s prompt.
-    fn blocks_of(&self, req: &RouteRequest, tokens: u64) -> usize {
-        let units_per_token = match req.prompt {
-            Prompt::Tokens(_) => 1,
-            Prompt::Bytes(_) => BYTES_PER_TOKEN as usize,
-        };
-        tokens as usize * units_per_token / self.block_units(&req.prompt)
-    }
-
-    /// `endpoint` holds no more than `cached_tokens` of `req`'s prompt: it loses the prompt's blocks past them.
-    fn forget_past(&self, endpoint: EndpointId, req: &RouteRequest, prepared: &Prepared, cached_tokens: u64) {
-        let held = self.blocks_of(req, cached_tokens);
-        let mut state = self.lock();
-        if let Some(&slot) = state.slots.get(&endpoint) {
-            state.index.forget_from(slot, &prepared.block_hashes, held);
-        }
     }
 }
 

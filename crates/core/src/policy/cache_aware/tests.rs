@@ -457,3 +457,39 @@ fn learned_costs_steer_away_from_a_slow_endpoint_and_lend_the_fleets_to_the_unfi
     });
     assert!(ranks_of(&configured).contains(&0));
 }
+
+#[test]
+fn a_cold_prompt_spares_the_prefix_of_a_session_paused_for_a_tool() {
+    // Two endpoints of 100 16-token blocks, each nearly full: endpoint 0 with a session whose answer ended on
+    // tool calls, endpoint 1 with one that ended for good. A cold 800-token prompt pushes most of either out.
+    let snap = Snapshot::new(
+        (0..2)
+            .map(|r| Endpoint::new(EndpointId::new(0, r)).with_kv_capacity(1_600))
+            .collect(),
+    );
+    let chosen = |pause_weight: f64| -> Vec<usize> {
+        let p = CacheAware::new(CacheAwareConfig {
+            block_tokens: 16,
+            pause_weight,
+            ..CacheAwareConfig::default()
+        });
+        for (rank, tool_call) in [(0, true), (1, false)] {
+            let req = RouteRequest::tokens(prompt(50 + rank as u32, 1_500))
+                .with_override(rank)
+                .at(1_000);
+            dispatch(&p, &snap, req).unwrap().end(2_000, tool_call);
+        }
+        (0..24)
+            .map(|i| {
+                let mut cold = RouteRequest::tokens(prompt(900 + i, 800)).at(3_000);
+                cold.dry_run = true;
+                route(&p, &snap, &cold).unwrap().rank
+            })
+            .collect()
+    };
+    let followed = chosen(1.0);
+    assert!(followed.iter().all(|&r| r == 1), "{followed:?}");
+    // Without following pauses both cost the same evictions: the rendezvous splits them.
+    let ignored = chosen(0.0);
+    assert!(ignored.contains(&0) && ignored.contains(&1), "{ignored:?}");
+}

@@ -28,7 +28,7 @@ use super::{block_hashes_of, draw};
 use crate::endpoint::EndpointId;
 use crate::error::RouteError;
 use crate::hashing::PassThroughBuild;
-use crate::policy::{Branch, Candidates, Pick, Policy, Prepared};
+use crate::policy::{Branch, Candidates, Ending, Pick, Policy, Prepared};
 use crate::request::RouteRequest;
 
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -222,7 +222,7 @@ impl Policy for DynamoKv {
         Ok(Pick::new(rank, branch).with_prefill(uncached))
     }
 
-    fn release(&self, endpoint: EndpointId, _req: &RouteRequest, prepared: &Prepared, pick: &Pick) {
+    fn release(&self, endpoint: EndpointId, _req: &RouteRequest, prepared: &Prepared, pick: &Pick, _ending: Ending) {
         if pick.branch != Branch::Override {
             self.let_go(endpoint, prepared);
         }

@@ -172,6 +172,8 @@ impl PlanWorkload {
             group: step.group,
             session: step.session,
             named_session: step.named_session,
+            // Something waits for its answer: the agent's next turn after a tool, or its subagents.
+            tool_call: !self.dependents[i].is_empty(),
         }
     }
 }
