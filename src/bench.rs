@@ -42,6 +42,8 @@ enum ApiArg {
     /// `POST /v1/chat/completions` with one user message, a word per token id: any OpenAI-compatible server, through
     /// its chat template.
     Chat,
+    /// Anthropic's `POST /v1/messages`, the same message: any Anthropic-compatible server (vLLM, SGLang, a gateway).
+    Messages,
 }
 
 #[derive(Debug, Args)]
@@ -127,6 +129,9 @@ impl BenchArgs {
                 vocab: self.vocab,
             },
             ApiArg::Chat => Api::Chat {
+                model: self.model.clone(),
+            },
+            ApiArg::Messages => Api::Messages {
                 model: self.model.clone(),
             },
         }
@@ -279,7 +284,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         };
         let mut workload = args.workload.build(args.seed)?;
         let bar = progress_bar(&format!("{name} over HTTP"), workload.expected_requests(), args.quiet)?;
-        let BenchOutcome { outcome, stopped, .. } = runtime.block_on(async {
+        let BenchOutcome {
+            outcome,
+            stopped,
+            failures,
+        } = runtime.block_on(async {
             let (target, engine_stop) = match &args.target {
                 Some(t) => (t.clone(), None),
                 None => {
@@ -312,6 +321,11 @@ pub fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 outcome.errors,
                 stopped.map_or(String::new(), |s| format!(", {} cut off by Ctrl-C", s.cut_off))
             );
+            // Why the first few failed (the rest are most often the same).
+            for f in failures.iter().take(3) {
+                let status = f.status.map_or(String::new(), |s| format!(" (status {s})"));
+                eprintln!("  request {} failed{status}: {}", f.id, f.message);
+            }
         }
         rows.push(http);
         outcomes.push(outcome);

@@ -64,6 +64,17 @@ impl CostArgs {
         if let Some(v) = self.kv_capacity {
             cost.kv_capacity = v;
         }
+        // Times and rates are 0 or more (a rate of 0: prefill is free, as in the `zero` preset).
+        for (flag, value) in [
+            ("--base-ms", self.base_ms),
+            ("--prefill-rate", self.prefill_rate),
+            ("--tpot-ms", self.tpot_ms),
+            ("--decode-slowdown", self.decode_slowdown),
+        ] {
+            if let Some(v) = value {
+                anyhow::ensure!(v.is_finite() && v >= 0.0, "{flag} must be a number, 0 or more; got {v}");
+            }
+        }
         if let Some(v) = self.base_ms {
             cost.base_s = v / 1000.0;
         }

@@ -402,7 +402,8 @@ fn senseless_options_stop_the_start_with_one_line() {
                 "--policy",
                 "cache_aware",
             ][..],
-            "base_ms",
+            // The simulated engine's own costs, whatever the policy (cache_aware learns them, it is not given them).
+            "--base-ms",
         ),
     ] {
         let mut args = args.to_vec();

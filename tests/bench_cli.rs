@@ -99,10 +99,11 @@ fn quiet_prints_only_the_results() {
 
 /// `--api completions`: the workload as OpenAI completions with token-id prompts (mapped into `--vocab`), TTFT from
 /// the first chunk with text, cached tokens from the usage report; a closed-loop agent's later turns hit. `--api
-/// chat`: the same as chats, one user message of a word per token id, TTFT from the first chunk with content.
+/// chat`: the same as chats, one user message of a word per token id, TTFT from the first chunk with content. `--api
+/// messages`: the same message to Anthropic's Messages API, TTFT from the first text delta.
 #[test]
-fn completions_and_chats_reach_an_openai_server_and_read_its_cache_report() {
-    for api in ["completions", "chat"] {
+fn completions_chats_and_messages_reach_their_server_and_read_its_cache_report() {
+    for api in ["completions", "chat", "messages"] {
         openai_api_run(api);
     }
 }

@@ -59,8 +59,12 @@ fn imports(src: &Path) -> Graph {
             "mod" | "lib" | "main" => path.parent().unwrap().to_path_buf(),
             stem => path.parent().unwrap().join(stem),
         };
-        for name in test_modules(text) {
-            test_files.insert(dir.join(format!("{name}.rs")));
+        for (name, file) in test_modules(text) {
+            // A `#[path]` is relative to the declaring file's folder.
+            test_files.insert(match file {
+                Some(file) => path.parent().unwrap().join(file),
+                None => dir.join(format!("{name}.rs")),
+            });
         }
     }
     let mut graph = Graph::new();
@@ -109,20 +113,26 @@ fn imports(src: &Path) -> Graph {
     graph
 }
 
-/// The modules `text` declares under `#[cfg(test)]` with a file of their own (`mod tests;`).
-fn test_modules(text: &str) -> Vec<String> {
+/// The modules `text` declares under `#[cfg(test)]` with a file of their own (`mod tests;`), each with the file a
+/// `#[path = "..."]` attribute names for it, if one does.
+fn test_modules(text: &str) -> Vec<(String, Option<String>)> {
     let mut names = Vec::new();
     let mut after_cfg_test = false;
+    let mut path = None;
     for line in text.lines().map(str::trim) {
         if line == "#[cfg(test)]" {
             after_cfg_test = true;
+            path = None;
         } else if after_cfg_test && line.starts_with("#[") {
-            // Another attribute of the same item.
+            // Another attribute of the same item; a file of its own.
+            if let Some(file) = line.strip_prefix("#[path = \"").and_then(|r| r.strip_suffix("\"]")) {
+                path = Some(file.to_string());
+            }
         } else {
             if after_cfg_test {
                 let declared = line.strip_prefix("pub(crate) ").unwrap_or(line);
                 if let Some(name) = declared.strip_prefix("mod ").and_then(|r| r.strip_suffix(';')) {
-                    names.push(name.trim().to_string());
+                    names.push((name.trim().to_string(), path.take()));
                 }
             }
             after_cfg_test = false;
@@ -289,8 +299,14 @@ fn unit_tests_are_left_out() {
         library_lines(text),
         vec!["use crate::a;", "use crate::c;", "use crate::d;"]
     );
-    assert_eq!(test_modules(text), vec!["more".to_string()]);
-    // The layering of a crate whose folder module keeps its tests in files of their own.
+    assert_eq!(test_modules(text), vec![("more".to_string(), None)]);
+    let beside = "#[cfg(test)]\n#[path = \"foo_tests.rs\"]\nmod tests;\n";
+    assert_eq!(
+        test_modules(beside),
+        vec![("tests".to_string(), Some("foo_tests.rs".to_string()))]
+    );
+    // The layering of a crate whose folder module keeps its tests in files of their own (beside their modules too:
+    // `policy/peers/dynamo_kv_tests.rs` dispatches tickets).
     let core = imports(&Path::new(env!("CARGO_MANIFEST_DIR")).join("crates/core/src"));
     assert!(!core["policy"].contains("ticket"), "{core:?}");
 }

@@ -4,7 +4,7 @@
 //! Requests go to `POST /generate` with `input_ids`, `stream: true` ([`Api::Generate`], SGLang's native API), or to
 //! `POST /v1/completions` with the token ids as the `prompt` ([`Api::Completions`], any OpenAI-compatible server:
 //! vLLM, llama.cpp, SGLang), or to `POST /v1/chat/completions` with one user message whose words stand for the
-//! token ids ([`Api::Chat`]); TTFT is the time to the first event that carries output (SGLang's first event, the
+//! token ids ([`Api::Chat`]), or to Anthropic's `POST /v1/messages` the same way ([`Api::Messages`]); TTFT is the time to the first event that carries output (SGLang's first event, the
 //! first completion chunk with text, the first chat chunk with content). Cached tokens come from the engine's usage report, whichever form it takes
 //! ([`UsageScanner`]). A completion's output token ids are not returned by OpenAI servers, so a closed-loop
 //! workload's next turn carries the simulator's output tokens for it instead of the engine's: the engine's cache
@@ -60,6 +60,10 @@ pub enum Api {
     /// ([`words`]), so prompts that share a prefix of ids share a prefix of text, and the engine's chat template and
     /// tokenizer make of it what they make of any chat.
     Chat { model: String },
+    /// Anthropic's `POST /v1/messages` naming `model`, with one user message as [`Api::Chat`]'s: any
+    /// Anthropic-compatible server (vLLM, SGLang, a gateway in front of them); TTFT at the first text delta, the
+    /// stream's end at `message_stop`.
+    Messages { model: String },
 }
 
 /// Three lowercase letters per token id (17,576 words), space-separated: a text that grows as the ids do.
@@ -186,6 +190,7 @@ pub async fn run(
         Api::Generate => "/generate",
         Api::Completions { .. } => "/v1/completions",
         Api::Chat { .. } => "/v1/chat/completions",
+        Api::Messages { .. } => "/v1/messages",
     };
     // Several targets (comma-separated): request `i` goes to target `i mod n`, as a load balancer in front of
     // gateway replicas would spread them.
@@ -303,6 +308,13 @@ pub async fn run(
                         "stream": true,
                         "stream_options": {"include_usage": true},
                     }),
+                    Api::Messages { model } => json!({
+                        "model": model,
+                        "messages": [{"role": "user", "content": words(&req.tokens)}],
+                        "max_tokens": req.output_tokens,
+                        "temperature": 0,
+                        "stream": true,
+                    }),
                 };
                 let mut rank = 0;
                 if let Routing::Client { policy, .. } = config.routing {
@@ -325,6 +337,9 @@ pub async fn run(
                     }
                 }
                 let mut headers = config.headers.map(|tag| tag(&req)).unwrap_or_default();
+                if let Api::Messages { .. } = config.api {
+                    headers.push(("anthropic-version", "2023-06-01".into()));
+                }
                 if req.named_session {
                     // An agent names its session, as Claude Code's `x-claude-code-session-id` does.
                     headers.push((SESSION_HEADER, req.session.to_string()));
@@ -334,7 +349,7 @@ pub async fn run(
                 let (client, tx, api) = (client.clone(), done_tx.clone(), config.api.clone());
                 let stand_in = match api {
                     Api::Generate => None,
-                    Api::Completions { .. } | Api::Chat { .. } => {
+                    Api::Completions { .. } | Api::Chat { .. } | Api::Messages { .. } => {
                         Some(dprouter_sim::tokens::output(config.seed, req.id, req.output_tokens as usize))
                     }
                 };
@@ -481,12 +496,15 @@ async fn send(
     }
     let finish = Instant::now();
     let text = String::from_utf8_lossy(&buffer);
-    if !text.trim_end().ends_with("data: [DONE]") {
-        return Err(broken("the stream ended without [DONE]".into()));
+    // OpenAI's and SGLang's streams end with `[DONE]`, Anthropic's with a `message_stop` event.
+    let ended = text.trim_end().ends_with("data: [DONE]") || text.contains("\"type\":\"message_stop\"");
+    if !ended {
+        return Err(broken("the stream ended without [DONE] or message_stop".into()));
     }
+    // Each event's data line (an Anthropic event has its `event:` line first).
     let last: Value = text
         .split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data: "))
+        .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))
         .filter(|e| *e != "[DONE]")
         .last()
         .and_then(|e| serde_json::from_str(e).ok())
@@ -510,15 +528,15 @@ async fn send(
 }
 
 /// Whether the stream so far holds a complete event with output: any event for SGLang's `/generate`; a
-/// completion chunk with non-empty `text`, or a chat chunk with non-empty `delta.content`, otherwise (the first
-/// chunks of some servers carry none: a chat's first says only the role).
+/// completion chunk with non-empty `text`, a chat chunk with non-empty `delta.content`, or an Anthropic text delta,
+/// otherwise (the first chunks of some servers carry none: a chat's first says only the role).
 fn has_output(buffer: &[u8], any_event: bool) -> bool {
     let text = String::from_utf8_lossy(buffer);
     // Complete events only: those before the last blank line.
     let complete = text.rfind("\n\n").map_or("", |end| &text[..end]);
     complete
         .split("\n\n")
-        .filter_map(|e| e.trim().strip_prefix("data:").map(str::trim))
+        .filter_map(|e| e.lines().find_map(|l| l.trim().strip_prefix("data:")).map(str::trim))
         .filter(|e| *e != "[DONE]")
         .any(|e| {
             any_event
@@ -526,7 +544,11 @@ fn has_output(buffer: &[u8], any_event: bool) -> bool {
                     .ok()
                     .and_then(|v| {
                         let choice = &v["choices"][0];
-                        let text = choice["text"].as_str().or(choice["delta"]["content"].as_str());
+                        let text = choice["text"]
+                            .as_str()
+                            .or(choice["delta"]["content"].as_str())
+                            // Anthropic's `content_block_delta`.
+                            .or(v["delta"]["text"].as_str());
                         text.map(|t| !t.is_empty())
                     })
                     .unwrap_or(false)

@@ -23,6 +23,8 @@ const REASONS: [&[u8]; 6] = [
 /// The longest reason, less one: what a piece must keep for the next.
 const CARRY: usize = 29;
 
+const _: () = assert!(CARRY + 1 >= REASONS[1].len());
+
 /// Reads an answer's bytes for a tool-call finish; see the module documentation.
 #[derive(Debug, Default, Clone)]
 pub struct ToolCallScanner {
@@ -36,16 +38,18 @@ impl ToolCallScanner {
         if self.found || data.is_empty() {
             return;
         }
-        // Across the cut: the previous piece's tail and this piece's head.
-        let head = &data[..data.len().min(CARRY)];
-        if !self.tail.is_empty() {
-            let mut joined = std::mem::take(&mut self.tail);
-            joined.extend_from_slice(head);
-            self.found = REASONS.iter().any(|r| memmem::find(&joined, r).is_some());
+        // Across the cut: the stream's last bytes before this piece, and this piece's head.
+        self.tail.extend_from_slice(&data[..data.len().min(CARRY)]);
+        self.found = REASONS.iter().any(|r| memmem::find(&self.tail, r).is_some())
+            || REASONS.iter().any(|r| memmem::find(data, r).is_some());
+        // The stream's last bytes, for the next piece.
+        if data.len() >= CARRY {
+            self.tail.clear();
+            self.tail.extend_from_slice(&data[data.len() - CARRY..]);
+        } else {
+            let excess = self.tail.len().saturating_sub(CARRY);
+            self.tail.drain(..excess);
         }
-        self.found = self.found || REASONS.iter().any(|r| memmem::find(data, r).is_some());
-        self.tail.clear();
-        self.tail.extend_from_slice(&data[data.len().saturating_sub(CARRY)..]);
     }
 
     /// Whether the answer so far ended (or is ending) on tool calls.

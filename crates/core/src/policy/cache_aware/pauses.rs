@@ -48,6 +48,10 @@ pub(super) struct Pause {
 pub(super) struct Pauses {
     /// Per slot, its paused sessions, oldest first.
     slots: Vec<Vec<Pause>>,
+    /// The slot of each paused session, by its last block; and a named session's last block. Entries may outlive
+    /// their session (checked against `slots` on use; rebuilt when they pile up).
+    slot_of: HashMap<u64, usize>,
+    by_session: HashMap<u64, u64>,
     /// The usual pause of the sessions that resumed: carried from a resumed session's request to its next pause
     /// (by that request's last block).
     carried: HashMap<u64, f64>,
@@ -59,14 +63,18 @@ impl Pauses {
     /// The request with prompt blocks `hashes` (and session id `session`, if named) is its session's next turn:
     /// that session is paused no more, and its pause is learned.
     pub(super) fn resume(&mut self, session: Option<u64>, hashes: &[u64], now_us: u64) {
-        let found = self.slots.iter().enumerate().find_map(|(slot, paused)| {
-            let i = paused.iter().rposition(|p| {
-                session.is_some_and(|s| p.session == Some(s)) || hashes.iter().rev().any(|&h| h == p.end)
-            })?;
+        let held = |end: u64| {
+            let slot = *self.slot_of.get(&end)?;
+            let i = self.slots[slot].iter().position(|p| p.end == end)?;
             Some((slot, i))
-        });
+        };
+        let found = session
+            .and_then(|s| self.by_session.get(&s).copied())
+            .and_then(held)
+            .or_else(|| hashes.iter().rev().find_map(|&h| held(h)));
         let Some((slot, i)) = found else { return };
         let pause = self.slots[slot].remove(i);
+        self.slot_of.remove(&pause.end);
         let gap = now_us.saturating_sub(pause.since_us) as f64;
         let usual = pause.gap_us + GAP_WEIGHT * (gap - pause.gap_us);
         self.mean_gap_us = Some(match self.mean_gap_us {
@@ -100,6 +108,26 @@ impl Pauses {
             since_us: now_us,
             gap_us,
         });
+        self.slot_of.insert(end, slot);
+        if let Some(session) = session {
+            self.by_session.insert(session, end);
+        }
+        // Entries of sessions no longer paused pile up: rebuilt from the sessions that are.
+        let paused: usize = self.slots.iter().map(Vec::len).sum();
+        if self.slot_of.len() + self.by_session.len() > 4 * paused + 1024 {
+            self.slot_of = self
+                .slots
+                .iter()
+                .enumerate()
+                .flat_map(|(s, ps)| ps.iter().map(move |p| (p.end, s)))
+                .collect();
+            self.by_session = self
+                .slots
+                .iter()
+                .flatten()
+                .filter_map(|p| Some((p.session?, p.end)))
+                .collect();
+        }
     }
 
     /// The sessions paused at `slot` and still expected at `now_us` (those past their patience are forgotten).
