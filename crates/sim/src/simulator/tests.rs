@@ -1,6 +1,7 @@
-//! The simulator's tests (beside `simulator.rs`, which they test from inside).
+//! The simulator's tests, from inside the module.
 
 use super::*;
+use crate::cost::CostModel;
 use crate::report::Summary;
 use crate::workload::agent::{AgentConfig, AgentWorkload};
 use crate::workload::groups::{GroupsConfig, GroupsWorkload};

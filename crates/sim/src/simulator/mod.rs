@@ -39,10 +39,10 @@ use std::sync::Arc;
 use dprouter_core::engine_blocks::EngineBlocks;
 use dprouter_core::kv_events::KvEvent;
 use dprouter_core::{
-    dispatch, Branch, Endpoint, EndpointId, EndpointLoad, EngineReport, Policy, RouteRequest, Snapshot, Ticket, Usage,
+    dispatch, Branch, Endpoint, EndpointId, EndpointLoad, Policy, RouteRequest, Snapshot, Ticket, Usage,
 };
 
-use crate::cost::{CostModel, Micros};
+use crate::cost::Micros;
 use crate::decode_clock::DecodeClock;
 use crate::oracle::{Oracle, PooledCache};
 use crate::radix::{LockId, RadixCache};
@@ -50,108 +50,12 @@ use crate::shared_prefill::{Due, SharedPrefill};
 use crate::tokens;
 use crate::workload::{SimRequest, Workload, WorkloadError};
 
-/// Simulation settings shared by every policy of a run.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SimConfig {
-    pub dp_size: u32,
-    pub cost: CostModel,
-    /// How often ranks publish load reports to the router (SGLang: every ~20 ms).
-    pub report_interval: Micros,
-    /// Seeds synthetic outputs (must match the workload's seed).
-    pub seed: u64,
-    /// Take one rank out of service mid-run.
-    pub removal: Option<RankRemoval>,
-    /// Deliver the ranks' KV cache events to the policy (precise mode).
-    pub kv_events: Option<KvEventsConfig>,
-}
+pub use outcome::{RequestRecord, SimOutcome};
+pub use settings::{DecodePool, KvEventsConfig, RankRemoval, RemovalMode, SimConfig};
 
-/// How the ranks' KV events reach the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvEventsConfig {
-    /// From a cache change to the policy: publishing, the network, decoding.
-    pub delay: Micros,
-    /// The policy's block size, tokens (the events are followed into its block hashes).
-    pub block_tokens: usize,
-}
-
-/// One rank leaving service at a point in virtual time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankRemoval {
-    pub rank: usize,
-    pub at: Micros,
-    pub mode: RemovalMode,
-}
-
-/// How a [`RankRemoval`] takes its rank out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RemovalMode {
-    /// The snapshot marks the rank down (membership unchanged).
-    Down,
-    /// The snapshot drops it and the ranks after it move down one position, as when an engine restarts with one
-    /// rank fewer.
-    Drop,
-    /// Nothing is removed: a control run, measuring how often groups change rank anyway (load spills).
-    Control,
-}
-
-/// What happened to one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RequestRecord {
-    pub id: u64,
-    pub group: u64,
-    pub session: u64,
-    pub rank: usize,
-    pub branch: Branch,
-    pub arrival: Micros,
-    pub first_token: Micros,
-    pub finish: Micros,
-    pub prompt_tokens: usize,
-    pub cached_tokens: usize,
-    /// The cached tokens the policy predicted, if it predicts.
-    pub predicted_cached: Option<u64>,
-    /// Its queue-free floor: the TTFT it would have had with no queueing, given the cache hit it got (the prefill
-    /// of its uncached tokens alone); `None` where nobody knows the engine's costs (a run over HTTP).
-    pub floor: Option<Micros>,
-}
-
-impl RequestRecord {
-    pub fn ttft(&self) -> Micros {
-        self.first_token - self.arrival
-    }
-}
-
-/// The result of one simulation.
-#[derive(Debug, Clone, Default)]
-pub struct SimOutcome {
-    /// Completed requests, in completion order.
-    pub records: Vec<RequestRecord>,
-    /// Requests the policy could not route.
-    pub errors: u64,
-    /// Requests routed to each rank.
-    pub routed_per_rank: Vec<u64>,
-    /// In-flight requests the load table still counts after the run: 0 unless a guard leaked.
-    pub in_flight_at_end: u64,
-    /// Queued-prefill requests the load table still counts after the run: 0 unless a first token was lost.
-    pub queued_prefill_at_end: u64,
-    /// Hit rate of one infinite cache fed the same requests in arrival order (see [`Oracle`]); `None` when the run
-    /// did not compute it (a run over HTTP).
-    pub oracle_hit_rate: Option<f64>,
-    /// Hit rate of one LRU cache of all the ranks' capacity fed the same requests in arrival order (see
-    /// [`PooledCache`]); `None` when the run did not compute it.
-    pub pooled_hit_rate: Option<f64>,
-    /// The removal applied during the run, if any.
-    pub removal: Option<RankRemoval>,
-    /// Under disaggregation: requests routed to each decode rank (empty otherwise).
-    pub routed_per_decode_rank: Vec<u64>,
-}
-
-/// The decode servers of a disaggregated run: how many ranks, and each router's policy for them.
-#[derive(Clone, Copy)]
-pub struct DecodePool<'p> {
-    pub ranks: u32,
-    /// One per router, beside the prefill policy of the same index.
-    pub policies: &'p [&'p dyn Policy],
-}
+mod outcome;
+mod reports;
+mod settings;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Event {
@@ -398,37 +302,6 @@ fn run<'a>(
 }
 
 impl<'a> Sim<'a> {
-    /// Sends rank `r`'s new KV events on their way to the policy.
-    fn publish_events(&mut self, r: usize, now: Micros) {
-        let Some(events) = self.config.kv_events else { return };
-        let batch = self.ranks[r].cache.take_events();
-        if batch.is_empty() {
-            return;
-        }
-        self.seq += 1;
-        let number = self.seq;
-        self.published.insert(number, (r, batch));
-        self.schedule(now + events.delay, Event::KvEvents(number));
-    }
-
-    fn deliver_events(&mut self, number: u64, now: Micros) {
-        let Some((r, batch)) = self.published.remove(&number) else {
-            return;
-        };
-        let Some(followed) = self.ranks[r].followed.as_mut() else {
-            return;
-        };
-        let endpoint = EndpointId::new(0, r as u32);
-        for event in &batch {
-            // The simulator's own caches never skip an event: nothing is an orphan.
-            if let Ok(Some(change)) = followed.apply(event) {
-                for router in &self.routers {
-                    router.policy.engine_cache(endpoint, &change, now);
-                }
-            }
-        }
-    }
-
     fn schedule_prefills(&mut self, due: Vec<Due>) {
         for d in due {
             self.schedule(d.at, Event::PrefillDue(d.version));
@@ -490,40 +363,6 @@ impl<'a> Sim<'a> {
         let live = self.live.get_mut(slot)?.take();
         self.free.push(slot);
         live
-    }
-
-    fn publish_reports(&mut self, now: Micros) {
-        if self.last_report.is_some_and(|t| now < t + self.config.report_interval) {
-            return;
-        }
-        self.last_report = Some(now);
-        for (r, rank) in self.ranks.iter().enumerate() {
-            let waiting = rank.queue.len() as u64;
-            let report = EngineReport {
-                requests: waiting + u64::from(rank.prefilling.is_some()) + rank.decoding as u64,
-                waiting,
-                tokens: rank.cache.locked_size() as u64 + rank.queued_tokens,
-                // Strictly increasing even for a report at time 0.
-                timestamp: now + 1,
-                queued_prefill_tokens: None,
-            };
-            for router in &self.routers {
-                router.loads[r].apply_report(report);
-            }
-        }
-        let Some(decoders) = &self.decoders else { return };
-        for (r, rank) in decoders.ranks.iter().enumerate() {
-            let report = EngineReport {
-                requests: (rank.arriving + rank.decoding) as u64,
-                waiting: rank.arriving as u64,
-                tokens: rank.held_tokens,
-                timestamp: now + 1,
-                queued_prefill_tokens: None,
-            };
-            for router in &decoders.routers {
-                router.loads[r].apply_report(report);
-            }
-        }
     }
 
     fn arrive(&mut self, slot: usize, now: Micros) {
@@ -741,5 +580,4 @@ impl<'a> Sim<'a> {
 }
 
 #[cfg(test)]
-#[path = "simulator_tests.rs"]
 mod tests;
