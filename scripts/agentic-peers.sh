@@ -3,7 +3,7 @@
 # cost and dprouter's cache_aware on the same requests, on closed-loop agent workloads (ample cache, cache
 # pressure, bursts of subagents) at dp 8 and dp 32, and on the two Mooncake traces at dp 8. Seed 0, preset
 # h100-8b; cache_aware learns its costs (it is not given the preset's). docs/measurements.md ("Agents and the
-# peers") has the results. About 2 minutes with a release build (`cargo build --release`) on 2 cores.
+# peers") has the results. About 3 minutes with a release build (`cargo build --release`) on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${DPROUTER:-target/release/dprouter}

@@ -254,6 +254,7 @@ impl PolicyConfig {
                     ("recent_epsilon", c.recent_epsilon),
                     ("cold_tolerance_ms", c.cold_tolerance_ms),
                     ("pause_weight", c.pause_weight),
+                    ("session_home_margin_ms", c.session_home_margin_ms),
                 ] {
                     if !(value.is_finite() && value >= 0.0) {
                         return fail(field, format!("must be a finite number at least 0, got {value}"));

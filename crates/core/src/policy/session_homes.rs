@@ -2,9 +2,10 @@
 //! its previous answer, once its tool has run (the vLLM router's data: 86% within 1 s, 95% within 10 s), expecting
 //! its prefix still cached where it left it; its prompt alone may not say where that is (a turn whose new part
 //! outweighs what the index still holds of it, a prompt shorter than a block, an index that lost track). The
-//! cache-aware policies (`cache_aware`, `prefix_affinity`) send a session's request to its home before any other
-//! consideration while the session is active, and leave the home when it is not routable or its queued prefill
-//! work passes a bound (a home that would make the turn wait longer than a re-prefill elsewhere).
+//! cache-aware policies send a session's request to its home while the session is active: `prefix_affinity` keys
+//! on the session itself; `cache_aware` keeps it home while the home is routable and predicted within
+//! `session_home_margin_ms` of the best endpoint (a home busy prefilling, or whose cache the turn would overflow,
+//! is left: measured in `docs/measurements.md`, "Session homes").
 //!
 //! Bounded: a session idle past `ttl_us` is forgotten, and at most `capacity` sessions are remembered (the least
 //! recently seen go first). Each costs one map entry and at most two queue entries: about 100 bytes.

@@ -39,7 +39,9 @@
 //!    per request: sessions that arrive one by one on a warm prefix gather on its endpoint
 //!    (`docs/measurements.md`, "Agents that arrive apart"), unless `session_turns` is set: then the cost also
 //!    counts the delay the conversation's remaining turns and the endpoint's other conversations would cause each
-//!    other there (module `conversations`).
+//!    other there (module `conversations`). An active named session ([`RouteRequest::session`]) goes to the
+//!    endpoint of its last request instead (branch `session`, [`SessionHomes`]) while that endpoint's cost is within
+//!    `session_home_margin_ms` of the lowest: its home may hold what the index does not see, by that much at most.
 //! 4. Record the prompt's blocks for the chosen endpoint, under the same lock as the look-up (a rank override:
 //!    [`Policy::pinned`]); each endpoint forgets its least recently used blocks beyond its KV capacity
 //!    ([`Endpoint::kv_capacity`](crate::endpoint::Endpoint::kv_capacity), else `kv_capacity_tokens`). A request
@@ -456,16 +458,14 @@ impl Policy for CacheAware {
             .collect::<Vec<_>>();
         let tolerance_us = (self.config.cold_tolerance_ms.max(0.0) * 1000.0) as u64;
         let lowest = scored.iter().map(|(order, _)| order.0).min().unwrap_or(0);
-        // An active session goes home while its endpoint is routable and not too busy prefilling.
-        let home =
-            req.session
-                .and_then(|session| state.homes.home(session, req.now_us))
-                .and_then(|home| {
-                    let bound = self.config.session_max_queued_prefill_tokens;
-                    scored.iter().map(|(_, chosen)| *chosen).find(|&(r, _, _)| {
-                        snap.endpoints()[r].id == home && snap.load(r).queued_prefill_tokens() <= bound
-                    })
-                });
+        // An active session goes home while its endpoint is routable and predicted within the margin of the best.
+        let margin_us = (self.config.session_home_margin_ms.max(0.0) * 1000.0) as u64;
+        let home = req
+            .session
+            .and_then(|session| state.homes.home(session, req.now_us))
+            .and_then(|home| scored.iter().find(|(_, (r, _, _))| snap.endpoints()[*r].id == home))
+            .filter(|(order, _)| order.0 <= lowest.saturating_add(margin_us))
+            .map(|(_, chosen)| *chosen);
         let (rank, blocks, uncached) = match best_match == 0 && tolerance_us > 0 {
             _ if home.is_some() => home,
             // A prompt nobody holds: the rendezvous choice among the endpoints predicted within the tolerance.

@@ -365,14 +365,14 @@ fn most_cached_names_the_endpoint_holding_the_longest_prefix_and_records_nothing
 }
 
 /// An active session's turn goes to the endpoint of its last one even when its prompt alone would move it (here
-/// another client's long prompt, which the turn now starts with, is cached at the other endpoint), until that
-/// endpoint is out, or its queued prefill work passes the bound, or the session has idled past its TTL.
+/// another client's prompt, which the turn now starts with, is cached at the other endpoint), while the home is
+/// predicted within `session_home_margin_ms` of the best endpoint, until that endpoint is out, or busy, or the
+/// session has idled past its TTL.
 #[test]
 fn an_active_session_goes_home_until_its_endpoint_is_out_or_busy_or_it_idled() {
     let config = CacheAwareConfig {
         block_tokens: 16,
         session_ttl_ms: 10_000,
-        session_max_queued_prefill_tokens: 4_000,
         ..CacheAwareConfig::default()
     };
     let snap = Snapshot::single_worker(2);
@@ -380,7 +380,8 @@ fn an_active_session_goes_home_until_its_endpoint_is_out_or_busy_or_it_idled() {
     let first = RouteRequest::tokens(prompt(1, 500)).with_session("agent-a").at(0);
     let home = route(&p, &snap, &first).unwrap().rank;
     let other = 1 - home;
-    let shared = prompt(9, 5_000);
+    // 3,000 tokens cached at the other endpoint: 120 ms of prefill at the default costs, within the margin.
+    let shared = prompt(9, 3_000);
     drop(
         dispatch(
             &p,
@@ -397,16 +398,32 @@ fn an_active_session_goes_home_until_its_endpoint_is_out_or_busy_or_it_idled() {
         "the prompt alone moves it"
     );
     let turn = |now_us: u64| RouteRequest::tokens(next.clone()).with_session("agent-a").at(now_us);
+    let mut dry = turn(2_000_000);
+    dry.dry_run = true;
+    let strict = CacheAware::new(CacheAwareConfig {
+        session_home_margin_ms: 100.0,
+        ..config
+    });
     let kept = route(&p, &snap, &turn(2_000_000)).unwrap();
     assert_eq!((kept.rank, kept.branch), (home, Branch::Session));
     assert_eq!(p.sessions_by_rank(&snap, 2_000_000).unwrap()[home], 1);
+    // With a margin under the 120 ms the home costs more, the prompt decides.
+    assert_eq!(route(&strict, &snap, &first).unwrap().rank, home);
+    drop(
+        dispatch(
+            &strict,
+            &snap,
+            RouteRequest::tokens(prompt(9, 3_000)).with_override(other as i64),
+        )
+        .unwrap(),
+    );
+    assert_eq!(route(&strict, &snap, &dry).unwrap().branch, Branch::Hit);
     // Its endpoint out: the prompt decides.
     let without_home = snap.with_health(|r, _| r != home);
     assert_eq!(route(&p, &without_home, &turn(3_000_000)).unwrap().rank, other);
-    // Its endpoint busy prefilling (5,000 queued tokens, over the bound of 4,000): the prompt decides.
+    // Its endpoint busy prefilling (5,000 queued tokens: 225 ms more, past the margin): the prompt decides.
     let busy = RouteRequest::tokens(prompt(5, 5_000)).with_override(home as i64);
     let queued = dispatch(&p, &snap, busy).unwrap();
-    assert!(snap.load(home).queued_prefill_tokens() > 4_000);
     assert_eq!(route(&p, &snap, &turn(4_000_000)).unwrap().rank, other);
     drop(queued);
     // Home again (the last turn went `other`: that is its home now), until it idles past the TTL.
