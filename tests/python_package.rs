@@ -19,7 +19,7 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 use common::conversations::{agent_pause, converse_paced, hits, summary};
-use common::{sglang_site, vllm_python, VllmEngine};
+use common::engines::{sglang_site, vllm_python, VllmEngine};
 
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))

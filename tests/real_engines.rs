@@ -9,7 +9,8 @@
 mod common;
 
 use common::conversations::system_prompt;
-use common::{client, post, LlamaServers, Proc};
+use common::engines::LlamaServers;
+use common::{client, post, Proc};
 use hyper::StatusCode;
 use serde_json::{json, Value};
 

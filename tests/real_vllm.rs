@@ -16,8 +16,9 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::conversations::{agent_pause, converse, converse_paced, hits, rank_of, summary, system_prompt};
+use common::engines::VllmEngine;
 use common::otlp::{hex, int};
-use common::{client, eventually, get, post, Proc, VllmEngine};
+use common::{client, eventually, get, post, Proc};
 use hyper::StatusCode;
 use opentelemetry_proto::tonic::trace::v1::span::SpanKind;
 use serde_json::{json, Value};

@@ -19,7 +19,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-use common::{client, get, in_flight, post, Proc, VllmEngine};
+use common::engines::VllmEngine;
+use common::{client, get, in_flight, post, Proc};
 use hyper::StatusCode;
 use serde_json::json;
 
@@ -34,7 +35,7 @@ struct Pair {
 fn pair() -> Option<&'static Pair> {
     static PAIR: OnceLock<Option<Pair>> = OnceLock::new();
     PAIR.get_or_init(|| {
-        common::vllm_python()?;
+        common::engines::vllm_python()?;
         let storage = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("real-vllm-pd-kv");
         let _ = std::fs::remove_dir_all(&storage);
         std::fs::create_dir_all(&storage).unwrap();

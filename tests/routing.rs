@@ -442,7 +442,8 @@ async fn requests_go_to_the_workers_serving_their_model() {
 
 /// Each endpoint's prefill costs are learned from its own requests: two mock engines four times apart in prefill
 /// rate behind one gateway; after 40 requests of 200 to 4,000 tokens to each, `/workers` and `/metrics` show each
-/// endpoint's fitted rate within 15% of its engine's (the fit is robust to the network's and the engine's jitter).
+/// endpoint's fitted rate within 15% of its engine's (the fit is robust to the network's and the engine's jitter);
+/// answers sent whole are not sampled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_endpoints_prefill_costs_are_learned_from_its_requests() {
     let fast = Proc::engine(&["--dp-size", "1", "--prefill-rate", "100000", "--base-ms", "5"]);
@@ -466,6 +467,13 @@ async fn each_endpoints_prefill_costs_are_learned_from_its_requests() {
     );
     common::spread_prompts(&c, &gw.url, 0, 40).await;
     common::spread_prompts(&c, &gw.url, 1, 40).await;
+    // Answers sent whole are no samples: their first byte comes after the whole decode.
+    for i in 0..5u32 {
+        let ids: Vec<u32> = (0..500).map(|t| 900_000_000 + i * 1_000 + t).collect();
+        let body = json!({"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "routed_dp_rank": 0});
+        let reply = post(&c, &format!("{}/generate", gw.url), &[], &body).await;
+        assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    }
     let workers = get(&c, &format!("{}/workers", gw.url)).await.json;
     for (w, rate) in [(0, 100_000.0), (1, 25_000.0)] {
         let costs = &workers["workers"][w]["endpoints"][0]["prefill_costs"];

@@ -5,7 +5,9 @@
 //! endpoint therefore fits them online: every request whose first token came and whose engine reported its cached
 //! tokens gives one sample, `(uncached tokens, service time)`, where the service time is how long the endpoint
 //! worked on it: from when it could start (its arrival, or the previous first token there, whichever is later) to
-//! its own first token ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it.
+//! its own first token ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it, and
+//! neither is an answer sent whole (not streamed): its first byte comes after its whole decode
+//! ([`crate::Ticket::whole_answer`]), so it gives no sample.
 //!
 //! The fit is Theil–Sen over the last [`WINDOW`] samples: the slope is the median of the slopes between pairs of
 //! samples whose token counts differ by at least [`MIN_SPREAD`] tokens, the intercept the median of `service −

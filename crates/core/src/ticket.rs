@@ -141,6 +141,14 @@ impl<P: PolicyRef> Ticket<P> {
         }
     }
 
+    /// The first byte of an answer sent whole (not streamed) arrived at `now_us`: as [`Ticket::first_token`], the
+    /// queued-prefill share is released (the prefill is long over), but the time includes the answer's whole
+    /// decode, so it is no sample of the prefill costs (a fit fed such times learns each answer's length as
+    /// prefill).
+    pub fn whole_answer(&mut self, now_us: u64) {
+        self.guard.first_token(now_us);
+    }
+
     /// Feeds the endpoint's cost fit once both halves of the sample are known.
     fn sample_costs(&mut self) {
         if let (Some(service), Some(uncached)) = (self.service_us, self.uncached) {
@@ -300,6 +308,29 @@ mod tests {
                 "observe w0r1 2 [3]",
                 "release w0r1 true"
             ]
+        );
+    }
+
+    #[test]
+    fn a_streamed_first_token_samples_the_prefill_costs_and_a_whole_answer_does_not() {
+        let snap = Snapshot::single_worker(1);
+        let policy = RoundRobin::default();
+        let mut streamed = dispatch(&policy, &snap, RouteRequest::tokens(vec![1, 2, 3]).at(0)).unwrap();
+        streamed.first_token(500);
+        streamed.usage(usage(1));
+        assert_eq!(snap.load(0).cost_samples(), 1);
+        let mut whole = dispatch(&policy, &snap, RouteRequest::tokens(vec![1, 2, 3]).at(1_000)).unwrap();
+        whole.whole_answer(9_000);
+        assert_eq!(
+            snap.load(0).queued_prefill_requests(),
+            0,
+            "the queued share is released"
+        );
+        whole.usage(usage(1));
+        assert_eq!(
+            snap.load(0).cost_samples(),
+            1,
+            "a whole answer's time is no prefill sample"
         );
     }
 

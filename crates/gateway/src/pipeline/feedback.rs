@@ -147,9 +147,13 @@ impl Feedback {
     pub fn on_data(&mut self, data: &[u8]) {
         if !self.first_byte && !data.is_empty() {
             self.first_byte = true;
-            // The engine finished prefill: the request's queued-prefill share is released.
+            // The engine finished prefill: the request's queued-prefill share is released (a whole answer's first
+            // byte is also its last token: no sample of the prefill's time).
             if let Some(ticket) = self.ticket.as_mut() {
-                ticket.first_token(crate::common::clock::now_us());
+                match self.sse {
+                    true => ticket.first_token(crate::common::clock::now_us()),
+                    false => ticket.whole_answer(crate::common::clock::now_us()),
+                }
             }
             if let Some(mut prefill) = self.prefill.take() {
                 prefill.first_token(crate::common::clock::now_us());

@@ -20,7 +20,7 @@ use std::time::Duration;
 use dprouter_core::kv_events::KvEvent;
 use dprouter_core::policy::RoundRobin;
 use dprouter_core::{route, RouteRequest, Snapshot};
-use dprouter_sim::radix::{LockId, RadixCache};
+use dprouter_sim::radix::RadixCache;
 use dprouter_sim::tokens::mix;
 use dprouter_sim::CostModel;
 use tokio::sync::mpsc;
@@ -28,6 +28,10 @@ use tokio::sync::mpsc;
 use crate::disagg::{Disaggregation, Kv, RoomGuard, Rooms, Source};
 use crate::stall::DecodeStall;
 use crate::tokenizer::{output_token, output_word};
+
+mod slot;
+
+use slot::{wait, Slot};
 
 /// Which server's rank-targeting rules the mock follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -533,135 +537,5 @@ impl Engine {
                 completion_tokens: max_new_tokens,
             })
             .await;
-    }
-}
-
-impl Engine {
-    /// Prefills `tokens` on the slot's rank in its turn: returns the tokens its cache held, or `None` when the
-    /// request went away first.
-    async fn prefill(&self, slot: &mut Slot, tokens: &[u32], tx: &mpsc::Sender<Emit>) -> Option<usize> {
-        let r = &self.ranks[slot.rank];
-        let prefill_turn = tokio::select! {
-            turn = r.prefill.lock() => turn,
-            _ = tx.closed() => return None,
-        };
-        slot.start_prefill();
-        let cached = {
-            let mut cache = r.cache();
-            let cached = cache.match_prefix(tokens);
-            slot.pin = Some(cache.lock(tokens, cached));
-            cached
-        };
-        let service = self.scaled(self.config.cost.prefill(tokens.len() - cached));
-        if !service.is_zero() && !wait(tokio::time::sleep(service), tx).await {
-            return None;
-        }
-        {
-            let mut cache = r.cache();
-            cache.insert(tokens);
-            let pin = cache.lock(tokens, tokens.len());
-            if let Some(old) = slot.pin.replace(pin) {
-                cache.unlock(old);
-            }
-        }
-        slot.end_prefill();
-        drop(prefill_turn);
-        Some(cached)
-    }
-}
-
-/// Waits for `fut` unless the receiver goes away first; false when it did.
-async fn wait(fut: impl std::future::Future<Output = ()>, tx: &mpsc::Sender<Emit>) -> bool {
-    tokio::select! {
-        _ = fut => true,
-        _ = tx.closed() => false,
-    }
-}
-
-/// One request's share of its rank's counters and cache pin, undone exactly once whatever path the request takes.
-struct Slot {
-    engine: Arc<Engine>,
-    rank: usize,
-    prompt_tokens: u64,
-    stage: Stage,
-    pin: Option<LockId>,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    Waiting,
-    Prefilling,
-    Decoding,
-    Finished,
-}
-
-impl Slot {
-    fn new(engine: Arc<Engine>, rank: usize, prompt_tokens: u64) -> Self {
-        let r = &engine.ranks[rank];
-        r.waiting.fetch_add(1, Relaxed);
-        r.pending_tokens.fetch_add(prompt_tokens, Relaxed);
-        Self {
-            engine,
-            rank,
-            prompt_tokens,
-            stage: Stage::Waiting,
-            pin: None,
-        }
-    }
-
-    fn rank(&self) -> &Rank {
-        &self.engine.ranks[self.rank]
-    }
-
-    fn start_prefill(&mut self) {
-        self.rank().waiting.fetch_sub(1, Relaxed);
-        self.rank().running.fetch_add(1, Relaxed);
-        self.engine.stall.prefill_started();
-        self.stage = Stage::Prefilling;
-    }
-
-    /// A decode server's request got its KV cache: it runs without a prefill of its own.
-    fn start_decoding(&mut self) {
-        self.rank().waiting.fetch_sub(1, Relaxed);
-        self.rank().running.fetch_add(1, Relaxed);
-        self.rank().pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
-        self.stage = Stage::Decoding;
-    }
-
-    fn end_prefill(&mut self) {
-        self.rank().pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
-        self.engine.stall.prefill_ended();
-        self.stage = Stage::Decoding;
-    }
-
-    fn finish(&mut self) {
-        self.rank().running.fetch_sub(1, Relaxed);
-        self.engine.completed.fetch_add(1, Relaxed);
-        self.stage = Stage::Finished;
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let r = &self.engine.ranks[self.rank];
-        match self.stage {
-            Stage::Finished => return,
-            Stage::Waiting => {
-                r.waiting.fetch_sub(1, Relaxed);
-                r.pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
-            }
-            Stage::Prefilling => {
-                r.running.fetch_sub(1, Relaxed);
-                r.pending_tokens.fetch_sub(self.prompt_tokens, Relaxed);
-                self.engine.stall.prefill_ended();
-            }
-            Stage::Decoding => {
-                r.running.fetch_sub(1, Relaxed);
-            }
-        }
-        if let Some(pin) = self.pin.take() {
-            r.cache().unlock(pin);
-        }
-        self.engine.aborted.fetch_add(1, Relaxed);
     }
 }
