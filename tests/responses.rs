@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::scripted::{Act, Scripted};
 use common::{client, get, post, read, Proc};
 use http_body_util::Full;
 use hyper::{Request, StatusCode};
@@ -139,4 +140,39 @@ async fn a_keyed_clients_responses_are_its_own() {
     assert_eq!(read_back.status, StatusCode::OK, "{}", read_back.text);
     let reply = post(&c, &url, &alice, &continued).await;
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+}
+
+/// A Responses stream opens with events the engine sends before it has computed anything (`response.created`,
+/// `response.in_progress`: vLLM and SGLang send them at once): its first token, for the TTFT and for the
+/// endpoint's prefill sample, is its first delta, not its first byte.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_streams_first_token_is_its_first_delta() {
+    const EVENTS: &[(u64, &str)] = &[
+        (0, "event: response.created\ndata: {\"type\": \"response.created\", \"response\": {\"id\": \"resp_1\"}}\n\n"),
+        (0, "event: response.in_progress\ndata: {\"type\": \"response.in_progress\"}\n\n"),
+        (600, "event: response.output_text.delta\ndata: {\"type\": \"response.output_text.delta\", \"delta\": \"a\"}\n\n"),
+        (0, "event: response.completed\ndata: {\"type\": \"response.completed\", \"response\": {\"usage\": {\"input_tokens\": 3, \"output_tokens\": 1, \"input_tokens_details\": {\"cached_tokens\": 0}}}}\n\n"),
+    ];
+    let engine = Scripted::start(Act::Events(EVENTS)).await;
+    let gw = Proc::start(&[
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--worker",
+        &engine.url,
+        "--backend",
+        "vllm",
+    ]);
+    let c = client();
+    let body = json!({"model": "m", "input": "hi", "stream": true});
+    let reply = post(&c, &format!("{}/v1/responses", gw.url), &[], &body).await;
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
+    assert!(reply.text.contains("response.completed"), "{}", reply.text);
+    let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
+    let ttft: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("dprouter_ttft_seconds_sum"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no TTFT in {metrics}"));
+    assert!(ttft >= 0.6, "TTFT {ttft} s: the first byte taken for the first token");
 }

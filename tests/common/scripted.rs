@@ -18,6 +18,8 @@ pub enum Act {
     Hang,
     /// Sends a stream's head and one event, then nothing more (held open).
     SseThenStall,
+    /// Streams these events, each after its pause in milliseconds, then ends the stream.
+    Events(&'static [(u64, &'static str)]),
 }
 
 /// A scripted engine: answers GETs as an engine that is up (`/get_server_info`: one rank; `/v1/models`: the model
@@ -92,6 +94,16 @@ async fn answer(mut socket: TcpStream, act: Act, seen: Arc<Mutex<Vec<(String, St
             );
             let _ = socket.write_all(out.as_bytes()).await;
             tokio::time::sleep(Duration::from_secs(120)).await;
+        }
+        Act::Events(events) => {
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            let _ = socket.write_all(head.as_bytes()).await;
+            for (pause_ms, event) in events {
+                tokio::time::sleep(Duration::from_millis(*pause_ms)).await;
+                let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+                let _ = socket.write_all(chunk.as_bytes()).await;
+            }
+            let _ = socket.write_all(b"0\r\n\r\n").await;
         }
     }
 }

@@ -2,12 +2,13 @@
 //!
 //! An engine prefills a request's uncached prompt tokens in about `base + per_token · uncached`; `cache_aware`
 //! predicts time to first token from those two numbers, and they differ by engine, model, GPU and load. Each
-//! endpoint therefore fits them online: every request whose first token came and whose engine reported its cached
-//! tokens gives one sample, `(uncached tokens, service time)`, where the service time is how long the endpoint
+//! endpoint therefore fits them online: every request whose first token the router saw come (a stream's first
+//! token at a gateway; inside an engine, the engine's own) and whose usage the engine reported gives one sample, `(uncached tokens, service time)`, where the service time is how long the endpoint
 //! worked on it: from when it could start (its arrival, or the previous first token there, whichever is later) to
-//! its own first token ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it, and
-//! neither is an answer sent whole (not streamed): its first byte comes after its whole decode
-//! ([`crate::Ticket::whole_answer`]), so it gives no sample.
+//! its own first token ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it. An
+//! answer sent whole gives none: its first byte comes after its whole decode ([`crate::Ticket::whole_answer`]).
+//! An engine that leaves its cached tokens out of its usage (vLLM without `--enable-prompt-tokens-details`)
+//! reports none cached, so its samples count every prompt token as prefilled: run it with the flag.
 //!
 //! The fit is Theil–Sen over the last [`WINDOW`] samples: the slope is the median of the slopes between pairs of
 //! samples whose token counts differ by at least [`MIN_SPREAD`] tokens, the intercept the median of `service −
@@ -67,7 +68,7 @@ impl CostFit {
             self.next = (self.next + 1) % WINDOW;
         }
         self.since_refit += 1;
-        if self.since_refit >= REFIT_EVERY || (self.fitted.is_none() && self.samples.len() >= MIN_SAMPLES) {
+        if self.since_refit >= REFIT_EVERY {
             self.since_refit = 0;
             self.fitted = self.fit();
         }

@@ -14,6 +14,7 @@ use crate::fleet::registry::Failure;
 use crate::observe::access::Exchange;
 use crate::observe::telemetry;
 use crate::pipeline::body::GatewayTicket;
+use crate::pipeline::first_token::FirstToken;
 
 /// What one answer tells the policy and the metrics as its bytes pass, whoever carries them (this crate's
 /// [`GuardedBody`], or the Endpoint Picker's response stream): the first byte (the prefill is over), the engine's
@@ -36,32 +37,11 @@ pub struct Feedback {
     prefill: Option<Box<GatewayTicket>>,
     /// The route's error shape ([`Feedback::in_shape`]).
     shape: ErrorShape,
-    /// An Anthropic stream's first token is its first `content_block_delta` event (its `message_start` may come
-    /// before any): the time to it is the answer's TTFT. `None` once seen, or on other answers.
+    /// A stream's first token ([`FirstToken`]): the time to it is the answer's TTFT and its prefill's. `None` once
+    /// seen, or on an answer sent whole.
     first_token: Option<FirstToken>,
     /// The time to the first token was recorded.
     ttft_recorded: bool,
-}
-
-/// Looks for the event that carries an answer's first token across pieces of the stream.
-struct FirstToken {
-    /// The end of the last piece, in case the marker is cut in two.
-    tail: Vec<u8>,
-}
-
-impl FirstToken {
-    const MARKER: &'static [u8] = b"content_block_delta";
-
-    /// Whether the marker is in `data`, or across the end of the last piece and the start of this one.
-    fn seen_in(&mut self, data: &[u8]) -> bool {
-        let found = |bytes: &[u8]| bytes.windows(Self::MARKER.len()).any(|w| w == Self::MARKER);
-        let keep = Self::MARKER.len() - 1;
-        self.tail.extend_from_slice(&data[..data.len().min(keep)]);
-        let seen = found(&self.tail) || found(data);
-        self.tail.clear();
-        self.tail.extend_from_slice(&data[data.len().saturating_sub(keep)..]);
-        seen
-    }
 }
 
 /// The cached tokens the policy predicted for the ticket's request, when it predicted.
@@ -90,18 +70,14 @@ impl Feedback {
             homes: None,
             prefill: None,
             shape: ErrorShape::OpenAi,
-            first_token: None,
+            first_token: sse.then(FirstToken::default),
             ttft_recorded: false,
         }
     }
 
-    /// An answer on a route whose errors take `shape`: on Anthropic's, a stream's time to first token is the time
-    /// to its first `content_block_delta`.
+    /// An answer on a route whose errors take `shape`.
     pub fn in_shape(mut self, shape: ErrorShape) -> Self {
         self.shape = shape;
-        if shape == ErrorShape::Anthropic && self.sse {
-            self.first_token = Some(FirstToken { tail: Vec::new() });
-        }
         self
     }
 
@@ -143,18 +119,17 @@ impl Feedback {
             .map_or(Failure::Engine, |t| Failure::engine(t.pick.branch))
     }
 
-    /// Bytes of the answer arrived: the first byte's bookkeeping, the usage scanner, the response's id.
+    /// Bytes of the answer arrived: the first byte's and the first token's bookkeeping, the usage scanner, the
+    /// response's id.
     pub fn on_data(&mut self, data: &[u8]) {
         if !self.first_byte && !data.is_empty() {
             self.first_byte = true;
-            // The engine finished prefill: the request's queued-prefill share is released (a whole answer's first
-            // byte is also its last token: no sample of the prefill's time).
-            if let Some(ticket) = self.ticket.as_mut() {
-                match self.sse {
-                    true => ticket.first_token(crate::common::clock::now_us()),
-                    false => ticket.whole_answer(crate::common::clock::now_us()),
-                }
+            // A whole answer's first byte is also its last token: the request's queued-prefill share is released,
+            // but the time is no sample of its prefill.
+            if let (Some(ticket), false) = (self.ticket.as_mut(), self.sse) {
+                ticket.whole_answer(crate::common::clock::now_us());
             }
+            // A disaggregated answer's first byte: the prefill leg is over.
             if let Some(mut prefill) = self.prefill.take() {
                 prefill.first_token(crate::common::clock::now_us());
             }
@@ -169,6 +144,10 @@ impl Feedback {
                 self.first_token = None;
                 self.exchange.first_byte(self.received.elapsed());
                 if self.sse {
+                    // The engine finished prefill: the share is released and the time sampled.
+                    if let Some(ticket) = self.ticket.as_mut() {
+                        ticket.first_token(crate::common::clock::now_us());
+                    }
                     let ttft = self.received.elapsed().as_secs_f64();
                     metrics::histogram!(telemetry::TTFT, "endpoint" => self.label.clone()).record(ttft);
                 }
@@ -232,23 +211,5 @@ impl Feedback {
     /// `w{worker}r{rank}`, for logs and metric labels.
     pub fn label(&self) -> &str {
         &self.label
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::FirstToken;
-
-    #[test]
-    fn the_first_token_is_seen_across_pieces() {
-        let stream = b"event: message_start\ndata: {}\n\nevent: content_block_delta\ndata: {}\n\n";
-        for cut in 0..stream.len() {
-            let mut first = FirstToken { tail: Vec::new() };
-            let (a, b) = stream.split_at(cut);
-            let seen = first.seen_in(a) || first.seen_in(b);
-            assert!(seen, "cut at {cut}");
-        }
-        let mut first = FirstToken { tail: Vec::new() };
-        assert!(!first.seen_in(b"event: message_start\ndata: {\"content_block\"}\n\n"));
     }
 }

@@ -4,6 +4,7 @@
 pub mod body;
 pub mod engine_headers;
 pub mod feedback;
+mod first_token;
 pub mod outcome;
 pub mod pairing;
 pub mod relay;

@@ -121,6 +121,12 @@ impl ApproxIndex {
                 }
             }
         }
+        // Refreshed entries leave their old records behind: once those outnumber the entries, they go.
+        if self.order.len() > 2 * self.entries + 1024 {
+            let holders = &self.holders;
+            self.order
+                .retain(|&(expiry, hash, worker)| holders.get(&hash).is_some_and(|h| h.contains(&(worker, expiry))));
+        }
     }
 }
 

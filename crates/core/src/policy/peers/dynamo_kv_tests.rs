@@ -118,3 +118,17 @@ fn the_index_prunes_to_eighty_percent_of_its_size_oldest_first() {
     assert_eq!(index.entries, 40);
     assert!(!index.holders.contains_key(&59) && index.holders.contains_key(&60));
 }
+
+#[test]
+fn refreshing_the_same_blocks_keeps_the_expiry_queue_bounded() {
+    let mut index = ApproxIndex::default();
+    let a = EndpointId::new(0, 0);
+    let hashes: Vec<u64> = (0..100).collect();
+    for now in 0..1_000u64 {
+        index.record(a, &hashes, 1_000_000 + now);
+        index.prune(now, 1_000_000);
+    }
+    assert_eq!(index.entries, 100);
+    assert!(index.order.len() <= 2 * 100 + 1024 + 100, "{}", index.order.len());
+    assert_eq!(index.overlaps(&hashes, 2_000)[&a], 100, "the current records are kept");
+}

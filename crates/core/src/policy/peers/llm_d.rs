@@ -100,14 +100,17 @@ impl Policy for LlmD {
         let mut state = self.lock();
         let mut lens = vec![0u32; state.index.slot_count()];
         state.index.match_lengths(hashes, &mut lens);
-        let waiting = |rank: usize| snap.load(rank).last_report().map_or(0, |r| r.waiting);
-        let (min_q, max_q) = c
+        // Each candidate's waiting requests, read once: a report arriving meanwhile cannot put one past the max.
+        let waiting: Vec<u64> = c
             .iter()
-            .map(waiting)
-            .fold((u64::MAX, 0), |(lo, hi), q| (lo.min(q), hi.max(q)));
+            .map(|rank| snap.load(rank).last_report().map_or(0, |r| r.waiting))
+            .collect();
+        let (min_q, max_q) = waiting
+            .iter()
+            .fold((u64::MAX, 0), |(lo, hi), &q| (lo.min(q), hi.max(q)));
         let mut best: Vec<(usize, u32)> = Vec::new();
         let mut best_score = f64::NEG_INFINITY;
-        for rank in c.iter() {
+        for (i, rank) in c.iter().enumerate() {
             let endpoint = &snap.endpoints()[rank];
             let matched = state.slots.get(&endpoint.id).map_or(0, |&s| lens[s]);
             let prefix = if hashes.is_empty() {
@@ -118,7 +121,7 @@ impl Policy for LlmD {
             let queue = if max_q == min_q {
                 1.0
             } else {
-                (max_q - waiting(rank)) as f64 / (max_q - min_q) as f64
+                (max_q - waiting[i]) as f64 / (max_q - min_q) as f64
             };
             let usage = match (endpoint.load.last_report(), endpoint.kv_capacity) {
                 (Some(report), Some(capacity)) if capacity > 0 => (report.tokens as f64 / capacity as f64).min(1.0),

@@ -23,6 +23,9 @@ use crate::cost::{to_micros, Micros};
 use crate::tokens::{mix, Namespace};
 use crate::workload::WorkloadError;
 
+/// The most subagents one fork may start: a step's fresh parts are numbered in 8 bits (255 is its summary).
+const MAX_FANOUT: u32 = 254;
+
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AgenticConfig {
@@ -120,6 +123,9 @@ impl AgenticConfig {
         }
         if !(0.0..=1.0).contains(&self.fork_p) || (self.fork_p > 0.0 && self.fanout == 0) {
             return fail("fork_p must be in [0, 1] and fanout >= 1 when it is not 0");
+        }
+        if self.fanout > MAX_FANOUT {
+            return fail("fanout must be at most 254");
         }
         if self.context_limit <= self.app_prefix_len + self.summary_tokens {
             return fail("context_limit must exceed app_prefix_len + summary_tokens");

@@ -135,3 +135,14 @@ fn programs_share_their_apps_prefix_grow_by_each_answer_and_compact_at_the_limit
     assert!(sent.iter().any(|r| r.session >= 6), "subagents ran");
     assert_eq!(sent.len(), plan(&config, 5).unwrap().steps.len(), "every step was sent");
 }
+
+#[test]
+fn a_fanout_past_what_a_steps_parts_can_number_is_an_error() {
+    let config = |fanout| AgenticConfig {
+        fanout,
+        ..AgenticConfig::default()
+    };
+    assert!(config(254).check().is_ok());
+    let err = config(255).check().unwrap_err().to_string();
+    assert!(err.contains("fanout must be at most 254"), "{err}");
+}

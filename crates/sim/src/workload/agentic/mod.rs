@@ -201,7 +201,7 @@ impl Workload for PlanWorkload {
             self.pending[d] -= 1;
             self.ready_at[d] = self.ready_at[d].max(now);
             if self.pending[d] == 0 {
-                let at = self.ready_at[d] + self.steps[d].wait;
+                let at = self.ready_at[d].saturating_add(self.steps[d].wait);
                 released.push(self.request(d, at));
             }
         }

@@ -156,17 +156,23 @@ pub fn read(lines: impl BufRead, config: &TraceConfig) -> Result<Plan, WorkloadE
                 };
                 after.push(p);
             }
-            (after, time(row.delay.unwrap_or(0.0), speedup, &name, "delay")? + extra)
+            (
+                after,
+                time(row.delay.unwrap_or(0.0), speedup, &name, "delay")?.saturating_add(extra),
+            )
         } else if let Some((p, previous_stamp)) = previous {
             let gap = row.delay.unwrap_or((stamp - previous_stamp).max(0.0));
-            (vec![p], time(gap, speedup, &name, "delay")? + extra)
+            (vec![p], time(gap, speedup, &name, "delay")?.saturating_add(extra))
         } else {
             if row.delay.is_some_and(|d| d != 0.0) {
                 return Err(invalid(format!(
                     "request `{name}` sets `delay` but waits for nothing (no `wait_for`, first of its session)"
                 )));
             }
-            (Vec::new(), time(stamp, speedup, &name, "timestamp")? + extra)
+            (
+                Vec::new(),
+                time(stamp, speedup, &name, "timestamp")?.saturating_add(extra),
+            )
         };
         let session_number = match &session {
             Some(s) => {

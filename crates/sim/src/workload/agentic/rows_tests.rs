@@ -106,3 +106,15 @@ fn bad_rows_are_errors_naming_the_row() {
         .to_string()
         .contains("`a`"));
 }
+
+#[test]
+fn a_huge_wait_saturates_instead_of_overflowing() {
+    let rows = r#"{"request_id": "a", "hash_ids": [1], "output_length": 1, "tool_wait_ms": 1e30}
+{"request_id": "b", "wait_for": ["a"], "delay": 1e30, "tool_wait_ms": 1e30, "hash_ids": [1, 2], "output_length": 1}
+"#;
+    let plan = plan(rows).unwrap();
+    assert_eq!(plan.steps[1].wait, u64::MAX);
+    let mut w = PlanWorkload::new(plan, 0, "trace").unwrap();
+    let a = w.next_arrival().unwrap();
+    assert_eq!(w.on_finish(&a, &[], 1_000)[0].arrival, u64::MAX);
+}
