@@ -3,10 +3,11 @@
 //! An engine prefills a request's uncached prompt tokens in about `base + per_token · uncached`; `cache_aware`
 //! predicts time to first token from those two numbers, and they differ by engine, model, GPU and load. Each
 //! endpoint therefore fits them online: every request whose first token the router saw come (a stream's first
-//! token at a gateway; inside an engine, the engine's own) and whose usage the engine reported gives one sample, `(uncached tokens, service time)`, where the service time is how long the endpoint
-//! worked on it: from when it could start (its arrival, or the previous first token there, whichever is later) to
-//! its own first token ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it. An
-//! answer sent whole gives none: its first byte comes after its whole decode ([`crate::Ticket::whole_answer`]).
+//! token at a gateway; inside an engine, the engine's own) and whose usage the engine reported gives one sample,
+//! `(uncached tokens, service time)`, where the service time is how long the endpoint worked on it: from when it
+//! could start (its arrival, or the previous first token there, whichever is later) to its own first token
+//! ([`crate::load::LoadGuard::first_token`]). Queueing behind other requests is not in it. An answer sent whole
+//! gives none: its first byte comes after its whole decode ([`crate::Ticket::whole_answer`]).
 //! An engine that leaves its cached tokens out of its usage (vLLM without `--enable-prompt-tokens-details`)
 //! reports none cached, so its samples count every prompt token as prefilled: run it with the flag.
 //!
