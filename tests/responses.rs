@@ -169,10 +169,9 @@ async fn a_responses_streams_first_token_is_its_first_delta() {
     assert_eq!(reply.status, StatusCode::OK, "{}", reply.text);
     assert!(reply.text.contains("response.completed"), "{}", reply.text);
     let metrics = get(&c, &format!("{}/metrics", gw.url)).await.text;
-    let ttft: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("dprouter_ttft_seconds_sum"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no TTFT in {metrics}"));
-    assert!(ttft >= 0.6, "TTFT {ttft} s: the first byte taken for the first token");
+    let ttft = common::metric_sum(&metrics, "dprouter_ttft_seconds_sum");
+    assert!(
+        ttft >= 0.6,
+        "TTFT {ttft} s: the first byte taken for the first token: {metrics}"
+    );
 }

@@ -320,15 +320,19 @@ pub fn port_of(url: &str) -> u16 {
     url.rsplit(':').next().unwrap().trim_end_matches('/').parse().unwrap()
 }
 
+/// The sum of the series of metric `name` (every label set) in a `/metrics` text.
+pub fn metric_sum(metrics: &str, name: &str) -> f64 {
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The gateway's `dprouter_prompt_tokens_total` and `dprouter_cached_tokens_total`, each summed over its endpoints.
 pub async fn token_counters(c: &HttpClient, gateway: &str) -> (u64, u64) {
     let text = get(c, &format!("{gateway}/metrics")).await.text;
-    let sum = |name: &str| -> u64 {
-        text.lines()
-            .filter(|l| l.starts_with(name))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>() as u64
-    };
+    let sum = |name: &str| metric_sum(&text, name) as u64;
     (sum("dprouter_prompt_tokens_total"), sum("dprouter_cached_tokens_total"))
 }
 

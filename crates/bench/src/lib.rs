@@ -4,16 +4,18 @@
 //! Requests go to `POST /generate` with `input_ids`, `stream: true` ([`Api::Generate`], SGLang's native API), or to
 //! `POST /v1/completions` with the token ids as the `prompt` ([`Api::Completions`], any OpenAI-compatible server:
 //! vLLM, llama.cpp, SGLang), or to `POST /v1/chat/completions` with one user message whose words stand for the
-//! token ids ([`Api::Chat`]), or to Anthropic's `POST /v1/messages` the same way ([`Api::Messages`]); TTFT is the time to the first event that carries output (SGLang's first event, the
-//! first completion chunk with text, the first chat chunk with content). Cached tokens come from the engine's usage report, whichever form it takes
-//! ([`UsageScanner`]). A completion's output token ids are not returned by OpenAI servers, so a closed-loop
-//! workload's next turn carries the simulator's output tokens for it instead of the engine's: the engine's cache
-//! still holds the previous prompt, not the previous answer.
+//! token ids ([`Api::Chat`]), or to Anthropic's `POST /v1/messages` the same way ([`Api::Messages`]). TTFT is the
+//! time to the first event that carries output (SGLang's first event, the first completion chunk with text, the
+//! first chat chunk with content, the first text delta). Cached tokens come from the engine's usage report,
+//! whichever form it takes ([`UsageScanner`]). A completion's output token ids are not returned by OpenAI servers,
+//! so a closed-loop workload's next turn carries the simulator's output tokens for it instead of the engine's: the
+//! engine's cache still holds the previous prompt, not the previous answer.
 //! Arrivals and think times are the workload's virtual times multiplied by `time_scale`, and measured times are
 //! divided by it, so results compare one to one with `dprouter simulate` on the same workload. With
 //! [`Routing::Client`] the driver itself routes with a core policy and pins the rank (`routed_dp_rank`): the engine
 //! is measured alone, and the policy gets its feedback as in the gateway and the simulator, through the request's
-//! [`Ticket`]: the first token when the first event arrives, the engine's usage report as soon as it is read. With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
+//! [`Ticket`]: the first token when the first event arrives, the engine's usage report as soon as it is read.
+//! With [`Routing::Server`] requests go out unpinned and the target (a gateway) routes.
 //!
 //! The outcome is the simulator's own [`SimOutcome`], so [`dprouter_sim::Summary`] reports both the same way.
 //! A stop signal (Ctrl-C in `dprouter bench`) ends a run early: no request is sent after it, the ones in flight are
